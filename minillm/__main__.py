@@ -1,0 +1,115 @@
+"""``python -m minillm estimate|plan|generate|bench|diagnose ...``"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from minillm import estimate as ledger
+from minillm.config import load_config
+
+
+class CLIError(Exception):
+    """A one-line reason for exit code 2."""
+
+
+def _model_config(name):
+    try:
+        return load_config(name)
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+
+
+def _estimate_rows(cfg, args):
+    """The ledger as (label, value) rows, values already formatted."""
+    from minillm.hardware import lookup_gpu
+
+    gpu = lookup_gpu(args.gpu) if args.gpu else None
+    memory = args.gpu_memory or (f"{gpu.memory_bytes}" if gpu else "24GiB")
+    bandwidth = gpu.bandwidth if gpu else 1e12
+    weights = ledger.weight_bytes(cfg, args.dtype)
+    budget = ledger.memory_budget(cfg, memory, args.util, args.dtype)
+    rows = [
+        ("model", cfg.name),
+        ("parameters", ledger.fmt_int(ledger.param_count(cfg))),
+        (f"weights ({args.dtype})", f"{weights / ledger.GB:,.2f} GB = {weights / ledger.GiB:,.2f} GiB"),
+        ("matmul FLOPs per token", f"{ledger.matmul_flops_per_token(cfg) / 1e9:,.2f} GFLOP"),
+        ("KV per token", f"{ledger.kv_bytes_per_token(cfg, args.dtype) / ledger.KiB:,.0f} KiB"),
+    ]
+    for ctx in args.ctx:
+        rows.append((f"attention FLOPs per token @ctx {ctx:,}",
+                     f"{ledger.attention_flops_per_token(cfg, ctx) / 1e9:,.3f} GFLOP"))
+        rows.append((f"KV per request @ctx {ctx:,}", f"{ledger.kv_bytes(cfg, ctx, args.dtype) / ledger.GiB:,.3f} GiB"))
+    rows.append(("GPU", f"{gpu.name if gpu else 'assumed'}: {budget.gpu_memory / ledger.GiB:,.2f} GiB, "
+                        f"{bandwidth / 1e9:,.0f} GB/s"))
+    rows.append((f"usable at util {args.util}", f"{budget.usable / ledger.GiB:,.2f} GiB"))
+    if not budget.weights_fit:
+        rows.append(("left after weights", "weights alone do not fit"))
+        return rows
+    rows.append(("left after weights", f"{budget.left / ledger.GiB:,.2f} GiB"))
+    rows.append(("KV tokens that fit (upper bound)", ledger.fmt_int(budget.tokens)))
+    for ctx in args.ctx:
+        rows.append((f"concurrent requests @ctx {ctx:,}", f"{budget.concurrent_requests(ctx):,.1f}"))
+    for batch in args.batch:
+        for ctx in args.ctx:
+            step = ledger.decode_step(cfg, batch, ctx, bandwidth, args.dtype)
+            rows.append((f"decode B={batch} ctx={ctx:,}",
+                         f"{step.bytes / ledger.GB:,.2f} GB/step, >= {step.time_floor * 1e3:,.2f} ms, "
+                         f"<= {ledger.fmt_int(step.tokens_per_s)} tok/s"))
+    return rows
+
+
+def cmd_estimate(args) -> int:
+    cfg = _model_config(args.model)
+    if not 0 < args.util <= 1:
+        raise CLIError(f"--util must be in (0, 1], got {args.util}")
+    try:
+        rows = _estimate_rows(cfg, args)
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+    if args.json:
+        print(json.dumps(dict(rows), ensure_ascii=False, indent=2))
+    else:
+        width = max(len(label) for label, _ in rows)
+        for label, value in rows:
+            print(f"{label:<{width}}  {value}")
+    return 0
+
+
+def _ints(text):
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    est = commands.add_parser("estimate", help="the ledger of a model on a GPU")
+    est.add_argument("--model", required=True, help="preset name or directory with config.json")
+    est.add_argument("--gpu-memory", help="e.g. 24GiB, 80GB (default: the --gpu's memory, else 24GiB)")
+    est.add_argument("--gpu", help="GPU name from data/gpus.csv, for bandwidth (default 1 TB/s)")
+    est.add_argument("--util", type=float, default=0.92, help="gpu_memory_utilization (default 0.92)")
+    est.add_argument("--ctx", type=_ints, default=[1024, 4096, 8192], help="contexts, e.g. 1024,8192")
+    est.add_argument("--batch", type=_ints, default=[1, 16, 48], help="decode batch sizes")
+    est.add_argument("--dtype", default="bf16", choices=sorted(ledger.DTYPE_BYTES))
+    est.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    est.set_defaults(func=cmd_estimate)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CLIError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

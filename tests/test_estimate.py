@@ -1,0 +1,133 @@
+"""Every figure of DESIGN.md's "Figures the seeds derive", recomputed by the ledger."""
+import dataclasses
+import json
+
+import pytest
+
+from minillm.config import ModelConfig, load_config
+from minillm.estimate import (GB, GiB, KiB, attention_flops_per_token, decode_step, fmt_int,
+                              kv_bytes, kv_bytes_per_token, matmul_flops_per_token,
+                              matmul_param_count, memory_budget, paged_waste_tokens, param_count,
+                              parse_size, preallocation_waste, prefill, ridge_point, weight_bytes)
+
+TB_S = 1e12
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return load_config("llama-3.1-8b")
+
+
+def test_llama8b_parameters_and_weights(llama8b):
+    assert param_count(llama8b) == 8_030_261_248
+    assert fmt_int(param_count(llama8b)) == "8,030,261,248"
+    assert round(weight_bytes(llama8b, "bf16") / GB, 2) == 16.06
+    assert round(weight_bytes(llama8b, "bf16") / GiB, 2) == 14.96
+    assert round(matmul_param_count(llama8b) / 1e9, 3) == 7.505
+    assert round(matmul_flops_per_token(llama8b) / 1e9, 2) == 15.01
+
+
+@pytest.mark.parametrize("ctx,gflop", [(1024, 0.537), (4096, 2.147), (8192, 4.295)])
+def test_attention_flops(llama8b, ctx, gflop):
+    assert round(attention_flops_per_token(llama8b, ctx) / 1e9, 3) == gflop
+
+
+@pytest.mark.parametrize("n,intensity", [(512, 478), (2048, 1914)])
+def test_prefill_intensity_is_about_n(llama8b, n, intensity):
+    assert round(prefill(llama8b, n).intensity) == intensity
+
+
+@pytest.mark.parametrize("batch,gb,ms,tok_s", [(1, 16.19, 16.19, "62"), (16, 18.21, 18.21, "879"),
+                                                (48, 22.50, 22.50, "2,133")])
+def test_decode_floor_at_1tb_s(llama8b, batch, gb, ms, tok_s):
+    step = decode_step(llama8b, batch, 1024, TB_S)
+    assert round(step.bytes / GB, 2) == gb
+    assert round(step.time_floor * 1e3, 2) == ms
+    assert fmt_int(step.tokens_per_s) == tok_s
+    assert step.kv_intensity == 4.0  # n_h / n_kv, whatever the batch
+
+
+def test_decode_intensity_grows_with_batch(llama8b):
+    assert [round(decode_step(llama8b, b, 1024, TB_S).intensity, 1) for b in (1, 16, 48)] == [1.0, 13.7, 33.2]
+
+
+def test_kv_per_token_and_per_request(llama8b):
+    assert kv_bytes_per_token(llama8b, "bf16") == 131072 == 128 * KiB
+    assert kv_bytes_per_token(llama8b.replace(num_kv_heads=32)) == 512 * KiB
+    assert [kv_bytes(llama8b, c) / GiB for c in (1024, 4096, 8192, 131072)] == [0.125, 0.5, 1, 16]
+
+
+def test_24gib_budget(llama8b):
+    budget = memory_budget(llama8b, "24GiB", 0.92)
+    assert round(budget.usable / GiB, 2) == 22.08
+    assert round(budget.left / GiB, 2) == 7.12
+    assert fmt_int(budget.tokens) == "58,347"
+    assert [round(budget.concurrent_requests(c), 1) for c in (1024, 4096, 8192)] == [57.0, 14.2, 7.1]
+    assert kv_bytes(llama8b, 131072) > budget.left  # a full-length request cannot fit
+
+
+def test_mha_variant_same_leftover(llama8b):
+    budget = memory_budget(llama8b, "24GiB", 0.92)
+    mha = llama8b.replace(num_kv_heads=llama8b.num_heads)
+    mha_budget = dataclasses.replace(budget, kv_bytes_per_token=kv_bytes_per_token(mha))
+    assert fmt_int(mha_budget.tokens) == "14,587"
+    assert decode_step(mha, 1, 1024, TB_S).kv_intensity == 1.0
+
+
+def test_preallocation_waste():
+    assert preallocation_waste(8192, 1024) == 0.875
+    assert paged_waste_tokens([1024, 17, 16], 16) == 15
+    with pytest.raises(ValueError):
+        preallocation_waste(1024, 2048)
+
+
+def test_generic_7b_of_chapter_one():
+    """7 B parameters in fp16, 32 layers, 32 KV heads, head dim 128, 8K input."""
+    llama2 = load_config("llama-2-7b")
+    nominal_weights = 7e9 * 2
+    assert round(nominal_weights / GB) == 14 and round(nominal_weights / GiB) == 13
+    per_request = kv_bytes(llama2, 8192, "fp16")
+    assert kv_bytes_per_token(llama2, "fp16") == 512 * KiB and per_request == 4 * GiB
+    assert round((nominal_weights + per_request) / GiB) == 17
+    assert round((nominal_weights + 8 * per_request) / GiB) == 45
+    assert round(nominal_weights / 2039e9 * 1e3, 1) == 6.9  # A100 80GB
+    assert round(nominal_weights / 3350e9 * 1e3, 1) == 4.2  # H100 SXM
+
+
+def test_unseen_config_matches_hand_count(tmp_path):
+    """A Qwen2-style config with biases and tied embeddings, counted by hand."""
+    hf = {"model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 512, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    cfg = load_config(tmp_path)
+    d, kv = 16, 32
+    per_layer = (64 * 64 + 64) + 2 * (64 * kv + kv) + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    assert param_count(cfg) == 1000 * 64 + 3 * per_layer + 64
+    assert cfg.head_dim == d
+
+
+def test_qwen3_head_dim_and_qk_norm():
+    cfg = load_config("qwen3-0.6b")
+    assert cfg.head_dim == 128 and cfg.head_dim * cfg.num_heads != cfg.hidden_size
+    assert param_count(cfg) == 596_049_920  # hand count; 0.44 B without embeddings, as published
+
+
+def test_parse_size_and_errors():
+    assert parse_size("24GiB") == 24 * GiB and parse_size("80GB") == 80 * GB
+    assert parse_size("512MiB") == 512 * 2**20
+    for bad in ("-3GiB", "abc", "0GiB", "3 parsecs"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    with pytest.raises(ValueError, match="utilization"):
+        memory_budget(load_config("tiny"), "24GiB", 1.5)
+
+
+def test_ridge_point():
+    assert ridge_point(989e12, 3.35e12) == pytest.approx(295.2, abs=0.1)
+
+
+def test_config_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="multiple"):
+        ModelConfig(name="x", model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=8,
+                    num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4, max_position_embeddings=8)
