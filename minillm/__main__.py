@@ -99,11 +99,27 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--dtype", default="bf16", choices=sorted(ledger.DTYPE_BYTES))
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
     est.set_defaults(func=cmd_estimate)
+    from minillm import bench, memory
+
+    bench.add_cli(commands)
+    memory.add_cli(commands)
     return parser
 
 
+def _attach_negative_values(argv: list[str]) -> list[str]:
+    """``--gpu-memory -3GiB`` -> ``--gpu-memory=-3GiB``, so a nonsense size gets our error, not argparse's."""
+    out = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and token[:1] == "-" and token[1:2].isdigit():
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(_attach_negative_values(argv))
     try:
         return args.func(args)
     except CLIError as err:

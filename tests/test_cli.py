@@ -1,0 +1,42 @@
+"""``python -m minillm estimate``: the ledger on the command line, and its errors."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minillm.__main__ import main
+
+
+def run(*argv):
+    return subprocess.run([sys.executable, "-m", "minillm", *argv], capture_output=True, text=True)
+
+
+def test_estimate_prints_the_seed_figures(capsys):
+    assert main(["estimate", "--model", "llama-3.1-8b", "--gpu-memory", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    for figure in ("8,030,261,248", "58,347", "14.96 GiB", "128 KiB", "<= 2,133 tok/s"):
+        assert figure in out
+
+
+def test_estimate_on_an_unseen_directory(tmp_path, capsys):
+    config = {"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["estimate", "--model", str(tmp_path), "--json"]) == 0
+    by_hand = 100 * 32 * 2 + 2 * (32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 64 + 2 * 32) + 32
+    assert json.loads(capsys.readouterr().out)["parameters"] == f"{by_hand:,}"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "no-such-model"], "presets: "),
+    (["--model", "tiny", "--gpu", "Voodoo 5"], "known: RTX 4090"),
+    (["--model", "tiny", "--gpu-memory", "-3GiB"], "cannot read the size"),
+    (["--model", "tiny", "--util", "1.5"], "--util must be in (0, 1]"),
+])
+def test_estimate_errors_are_one_line_exit_2(argv, message):
+    result = run("estimate", *argv)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
