@@ -99,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--dtype", default="bf16", choices=sorted(ledger.DTYPE_BYTES))
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
     est.set_defaults(func=cmd_estimate)
-    from minillm import bench, memory
+    from minillm import bench, bench_throughput, memory
 
-    bench.add_cli(commands)
+    bench_throughput.add_cli(bench.add_cli(commands))
     memory.add_cli(commands)
     return parser
 

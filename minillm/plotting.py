@@ -65,3 +65,35 @@ def use_book_style() -> None:
     if not any(font.fname == path for font in font_manager.fontManager.ttflist):
         font_manager.fontManager.addfont(path)
     matplotlib.rcParams.update(BOOK_RC)
+
+
+def plot_roofline(ax, specs, probe, prefill_points=(), decode_points=(), on=None):
+    """The roofline min(P, I·W) of each GPU spec (grey) and of this device's probe (in color).
+
+    ``prefill_points`` / ``decode_points`` are (label, intensity) pairs placed on the roofline of
+    the spec ``on`` (circles for prefill, triangles for decode).
+    """
+    import numpy as np
+
+    from minillm.estimate import attainable_flops
+
+    intensity = np.logspace(-1, 4.5, 200)
+    for spec in specs:
+        ax.plot(intensity, [attainable_flops(i, spec.bf16_flops, spec.bandwidth) / 1e12 for i in intensity],
+                lw=1, alpha=0.45, color="#777777")
+        ax.annotate(spec.name, (intensity[-1], spec.bf16_dense_tflops), fontsize=7, color="#555555",
+                    xytext=(2, 0), textcoords="offset points", va="center")
+    ax.plot(intensity, [attainable_flops(i, probe.matmul_flops, probe.copy_bandwidth) / 1e12 for i in intensity],
+            color=ROLE_COLORS["measured"], lw=2.2, label=f"本机实测（{probe.device}）")
+    if on is not None:
+        for points, marker, color, dy in ((prefill_points, "o", ROLE_COLORS["estimate"], 6),
+                                          (decode_points, "^", ROLE_COLORS["recorded"], -12)):
+            for label, i in points:
+                rate = attainable_flops(i, on.bf16_flops, on.bandwidth) / 1e12
+                ax.plot(i, rate, marker, color=color)
+                ax.annotate(label, (i, rate), xytext=(0, dy), textcoords="offset points", fontsize=7, ha="center")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("算术强度（FLOP/字节）")
+    ax.set_ylabel("可达速率（TFLOP/s）")
+    ax.legend(loc="lower right")

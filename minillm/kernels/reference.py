@@ -13,20 +13,21 @@ import torch.nn.functional as F
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Write the new tokens' K and V ``[T, n_kv, d]`` into flat cache slots; slot -1 is skipped."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.flatten(0, 1).index_copy_(0, slots, k[keep])
-    v_cache.flatten(0, 1).index_copy_(0, slots, v[keep])
+    """Write the new tokens' K and V ``[T, n_kv, d]`` into flat cache slots (cast to the cache's
+    dtype); slot -1 is skipped."""
+    kept = (slot_mapping >= 0).nonzero().squeeze(1)
+    slots = slot_mapping.index_select(0, kept)
+    k_cache.flatten(0, 1).index_copy_(0, slots, k.index_select(0, kept).to(k_cache.dtype))
+    v_cache.flatten(0, 1).index_copy_(0, slots, v.index_select(0, kept).to(v_cache.dtype))
 
 
-def _context_slots(block_tables, seq_lens, block_size: int, length: int):
-    """Flat cache slots of positions 0..length-1 of every sequence ``[B, length]``, and which of
-    them hold context (position < seq_len)."""
-    positions = torch.arange(length, device=block_tables.device)
-    block_columns = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
-    slots = block_tables[:, block_columns].long() * block_size + positions % block_size
-    return slots, positions < seq_lens[:, None]
+def _gather_context(cache, block_tables, length: int):
+    """Positions 0..length-1 of every sequence, copied out of its blocks: ``[B, length, n_kv, d]``."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    # the first num_blocks blocks of each sequence (one block is cut to `length` before the copy)
+    blocks = cache[:, :min(block_size, length)].index_select(0, block_tables[:, :num_blocks].flatten())
+    return blocks.view(block_tables.shape[0], -1, *cache.shape[2:])[:, :length]
 
 
 def _attend(q, k, v, scale, mask=None, is_causal=False):
@@ -41,15 +42,19 @@ def _attend(q, k, v, scale, mask=None, is_causal=False):
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
     """One query token per sequence ``q [B, n_h, d]`` attends to its whole context -> ``[B, n_h, d]``.
 
-    The contexts are gathered into one padded ``[B, max_len, n_kv, d]`` batch; padding is zeroed
-    (unwritten cache memory may hold NaN) and masked out.
+    The contexts are gathered into one batch padded to the longest. Padding, if any, is masked out
+    and zeroed, since unwritten cache memory may hold NaN (and 0 * NaN is NaN).
     """
-    slots, valid = _context_slots(block_tables, seq_lens, k_cache.shape[1], int(seq_lens.max()))
-    padding = ~valid[:, :, None, None]
-    k = k_cache.flatten(0, 1)[slots].masked_fill_(padding, 0)
-    v = v_cache.flatten(0, 1)[slots].masked_fill_(padding, 0)
-    out = _attend(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), scale,
-                  mask=valid[:, None, None, :])
+    length = int(seq_lens.max())
+    k = _gather_context(k_cache, block_tables, length)
+    v = _gather_context(v_cache, block_tables, length)
+    past_end = torch.arange(length, device=q.device) >= seq_lens[:, None]
+    mask = None
+    if past_end.any():
+        k[past_end] = 0
+        v[past_end] = 0
+        mask = ~past_end[:, None, None, :]
+    out = _attend(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), scale, mask=mask)
     return out[:, :, 0, :]
 
 
@@ -57,16 +62,15 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     """New tokens ``q [T, n_h, d]`` attend causally to themselves and fully to their cached prefix.
 
     Query j of sequence i sits at position ``seq_lens[i] - q_len_i + j`` and sees cache positions
-    0 through that position. One attention call per sequence, so no query is padded.
+    0 through that position. One attention call per sequence, so nothing is padded.
     """
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]
         q_len = end - start
-        slots, _ = _context_slots(block_tables[i:i + 1], seq_lens[i:i + 1], k_cache.shape[1], seq_len)
-        k = k_cache.flatten(0, 1)[slots].transpose(1, 2)
-        v = v_cache.flatten(0, 1)[slots].transpose(1, 2)
+        k = _gather_context(k_cache, block_tables[i:i + 1], seq_len).transpose(1, 2)
+        v = _gather_context(v_cache, block_tables[i:i + 1], seq_len).transpose(1, 2)
         q_i = q[start:end].transpose(0, 1)[None]
         if q_len == seq_len:  # no cached prefix: plain causal attention
             o = _attend(q_i, k, v, scale, is_causal=True)

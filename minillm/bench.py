@@ -1,0 +1,329 @@
+"""Recorded benchmarks: prefill and decode sweeps that write JSON records (chapters 预填充, 解码).
+
+A record holds the raw timings, the environment they were measured in (device, library versions,
+git commit, date; no host name), the probed ceilings of that device, and for every point the
+ledger's estimate (``minillm.estimate``) beside the measurement. The book's "recorded on GPU"
+columns read these files from ``data/measurements/``; a record is only ever written by running a
+sweep, never by hand. Weights are random at the real shape: timing does not depend on their values.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from minillm import estimate as ledger
+from minillm.config import load_config
+from minillm.hardware import describe_device, measure_seconds, probe_device, resolve_device
+from minillm.kv_cache import ContiguousKVCache
+from minillm.loader import load_model
+from minillm.memory import TORCH_DTYPES
+from minillm.model import Transformer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RECORD_KEYS = ("kind", "params", "environment", "results")
+WARMUP = 2  # untimed calls first: allocator, Triton compilation, caches
+
+
+# --- The record ---------------------------------------------------------------------------------
+
+def git_commit() -> str:
+    """The commit the code ran at: ``$MINILLM_GIT_COMMIT`` if set (a copy of the tree without
+    ``.git``), else ``git rev-parse HEAD``, else ``"unknown"``."""
+    if os.environ.get("MINILLM_GIT_COMMIT"):
+        return os.environ["MINILLM_GIT_COMMIT"]
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() or "unknown"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment_record(device: torch.device | str) -> dict:
+    """Where and with what a measurement was taken (no host name)."""
+    info = describe_device(device)
+    return {
+        "device": {"type": info.type, "name": info.name, "memory_bytes": info.memory_bytes,
+                   "spec": info.spec.name if info.spec else None},
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "python": platform.python_version(),
+        "cpu_threads": torch.get_num_threads(),
+        "git_commit": git_commit(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_record(path: str | Path, kind: str, params: dict, results: dict, environment: dict) -> dict:
+    """Write ``{kind, params, environment, results}`` as JSON to ``path``; return the record."""
+    if not kind:
+        raise ValueError("kind must be a non-empty name, e.g. 'prefill'")
+    record = {"kind": kind, "params": params, "environment": environment, "results": results}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+    return record
+
+
+# --- Sweeps -------------------------------------------------------------------------------------
+
+def _check_count(name: str, value) -> int:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _check_sizes(name: str, values, limit: int | None = None) -> list[int]:
+    values = list(values)
+    if not values:
+        raise ValueError(f"{name} must not be empty")
+    for value in values:
+        _check_count(name, value)
+    if limit is not None and max(values) > limit:
+        raise ValueError(f"{name}: {max(values):,} exceeds the model's {limit:,} positions")
+    return values
+
+
+def _torch_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
+    return TORCH_DTYPES[dtype]
+
+
+def _setup(model_name: str, device, dtype) -> tuple[Transformer, dict]:
+    """The model with random weights, and the shared part of the results: model, spec, probes."""
+    dtype = _torch_dtype(dtype)
+    model = load_model(model_name, device=resolve_device(device), dtype=dtype, weights="random")
+    cfg, dtype_name = model.config, str(model.dtype).removeprefix("torch.")
+    spec = describe_device(model.device).spec
+    shared = {
+        "model": {"name": cfg.name, "params": ledger.param_count(cfg), "dtype": dtype_name,
+                  "weight_bytes": ledger.weight_bytes(cfg, dtype_name)},
+        "spec": None if spec is None else {"name": spec.name, "bandwidth": spec.bandwidth,
+                                           "bf16_flops": spec.bf16_flops, "source": spec.source},
+        "probe": probe_device(model.device, model.dtype).as_dict(),
+    }
+    return model, shared
+
+
+def _measure(point: dict, time_it, device: torch.device) -> list[float] | None:
+    """``time_it()``'s samples; None, with the point marked, when CUDA runs out of memory."""
+    try:
+        return time_it()
+    except torch.cuda.OutOfMemoryError:
+        point["error"] = "out of memory"
+        return None
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the next point starts from the same free memory
+
+
+def time_prefill(model: Transformer, n: int, repeats: int) -> list[float]:
+    """Seconds of one prefill of an ``n``-token prompt: the forward and the last token's logits."""
+    cache = ContiguousKVCache(model.config, 1, n, model.dtype, model.device)
+    positions, attn = cache.prepare_step([0], [n])
+    generator = torch.Generator(device=model.device).manual_seed(n)
+    input_ids = torch.randint(model.config.vocab_size, (n,), device=model.device, generator=generator)
+
+    def step():
+        hidden = model(input_ids, positions, attn, cache.layer_caches())
+        return model.compute_logits(hidden[-1:])
+
+    return measure_seconds(step, model.device, repeats, warmup=WARMUP)
+
+
+def time_decode_step(model: Transformer, batch: int, ctx: int, steps: int) -> list[float]:
+    """Seconds of one decode step of ``batch`` requests, each attending to ``ctx`` tokens.
+
+    Every timed step is the same step: each request holds ``ctx - 1`` cached tokens and adds one
+    at position ``ctx - 1`` (rewriting the same slot), so all samples measure context ``ctx``. The
+    cached values are zeros: what is read, not its value, sets the time.
+    """
+    cache = ContiguousKVCache(model.config, batch, ctx, model.dtype, model.device)
+    cache.lengths = [ctx - 1] * batch
+    positions, attn = cache.prepare_step(list(range(batch)), [1] * batch)
+    generator = torch.Generator(device=model.device).manual_seed(batch)
+    input_ids = torch.randint(model.config.vocab_size, (batch,), device=model.device,
+                              generator=generator)
+
+    def step():
+        hidden = model(input_ids, positions, attn, cache.layer_caches())
+        return model.compute_logits(hidden).argmax(dim=-1)
+
+    return measure_seconds(step, model.device, steps, warmup=WARMUP)
+
+
+def bench_prefill(model_name: str, device=None, dtype=None, lengths=(128, 512, 2048),
+                  repeats: int = 5) -> dict:
+    """Prefill time of one prompt per length ``n``, beside the ledger's FLOPs and time floor.
+
+    ``model_name``: a preset or a folder with ``config.json``. The floor uses this device's probed
+    matmul rate and copy bandwidth; achieved FLOP/s = ledger FLOPs / median time.
+    """
+    cfg = load_config(model_name)
+    lengths = _check_sizes("lengths", lengths, cfg.max_position_embeddings)
+    _check_count("repeats", repeats)
+    model, results = _setup(model_name, device, dtype)
+    probe, points = results["probe"], []
+    for n in lengths:
+        est = ledger.prefill(model.config, n, results["model"]["dtype"])
+        point = {"n": n, "estimate": {
+            "flops": est.flops, "bytes": est.bytes, "intensity": est.intensity,
+            "time_floor_s": est.time_floor(probe["matmul_flops"], probe["copy_bandwidth"])}}
+        seconds = _measure(point, lambda: time_prefill(model, n, repeats), model.device)
+        if seconds is not None:
+            median = statistics.median(seconds)
+            point.update(seconds=seconds, median_s=median, achieved_flops=est.flops / median,
+                         fraction_of_probed_flops=est.flops / median / probe["matmul_flops"])
+        points.append(point)
+    return {**results, "points": points}
+
+
+def bench_decode(model_name: str, device=None, dtype=None, batches=(1, 8, 32),
+                 contexts=(512, 2048), steps: int = 10) -> dict:
+    """Decode step time for every batch size and context, beside the ledger's bytes and floor.
+
+    Achieved bandwidth = ledger bytes of the step (all weights + the batch's KV) / median time;
+    its fraction of the probed copy bandwidth is the MBU the decode chapter reports.
+    """
+    cfg = load_config(model_name)
+    batches = _check_sizes("batches", batches)
+    contexts = _check_sizes("contexts", contexts, cfg.max_position_embeddings)
+    _check_count("steps", steps)
+    model, results = _setup(model_name, device, dtype)
+    bandwidth, points = results["probe"]["copy_bandwidth"], []
+    for ctx in contexts:
+        for batch in batches:
+            est = ledger.decode_step(model.config, batch, ctx, bandwidth, results["model"]["dtype"])
+            point = {"batch": batch, "ctx": ctx, "estimate": {
+                "bytes": est.bytes, "weight_bytes": est.weight_bytes,
+                "kv_read_bytes": est.kv_read_bytes, "flops": est.flops,
+                "time_floor_s": est.time_floor, "tokens_per_s": est.tokens_per_s}}
+            seconds = _measure(point, lambda: time_decode_step(model, batch, ctx, steps),
+                               model.device)
+            if seconds is not None:
+                median = statistics.median(seconds)
+                point.update(seconds=seconds, median_s=median, tokens_per_s=batch / median,
+                             achieved_bandwidth=est.bytes / median,
+                             fraction_of_probed_bandwidth=est.bytes / median / bandwidth)
+            points.append(point)
+    return {**results, "points": points}
+
+
+# --- Summaries ----------------------------------------------------------------------------------
+
+def _header(results: dict) -> list[str]:
+    m, p = results["model"], results["probe"]
+    return [f"model {m['name']} ({m['dtype']}, {m['params']:,} parameters) on {p['device']}",
+            f"probed: copy {p['copy_bandwidth'] / 1e9:,.1f} GB/s (read+write), matmul "
+            f"{p['matmul_flops'] / 1e12:,.3f} TFLOP/s ({p['matmul_dtype']}), ridge "
+            f"{p['ridge_point']:,.1f} FLOP/byte"]
+
+
+def format_prefill(results: dict) -> str:
+    """The prefill sweep as a readable table."""
+    lines = _header(results) + [f"{'n':>7} {'median ms':>10} {'floor ms':>9} {'TFLOP/s':>8} "
+                                f"{'of probe':>8}"]
+    for p in results["points"]:
+        if "error" in p:
+            lines.append(f"{p['n']:>7,} {p['error']}")
+            continue
+        lines.append(f"{p['n']:>7,} {p['median_s'] * 1e3:>10.2f} "
+                     f"{p['estimate']['time_floor_s'] * 1e3:>9.2f} {p['achieved_flops'] / 1e12:>8.3f} "
+                     f"{p['fraction_of_probed_flops']:>8.0%}")
+    return "\n".join(lines)
+
+
+def format_decode(results: dict) -> str:
+    """The decode sweep as a readable table."""
+    lines = _header(results) + [f"{'batch':>6} {'ctx':>7} {'ms/step':>8} {'floor ms':>9} "
+                                f"{'tok/s':>9} {'GB/s':>8} {'of probe':>8}"]
+    for p in results["points"]:
+        if "error" in p:
+            lines.append(f"{p['batch']:>6,} {p['ctx']:>7,} {p['error']}")
+            continue
+        lines.append(f"{p['batch']:>6,} {p['ctx']:>7,} {p['median_s'] * 1e3:>8.2f} "
+                     f"{p['estimate']['time_floor_s'] * 1e3:>9.2f} {p['tokens_per_s']:>9,.1f} "
+                     f"{p['achieved_bandwidth'] / 1e9:>8,.1f} "
+                     f"{p['fraction_of_probed_bandwidth']:>8.0%}")
+    return "\n".join(lines)
+
+
+# --- python -m minillm bench ... ----------------------------------------------------------------
+
+def _common_options() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", required=True, help="preset name or directory with config.json")
+    common.add_argument("--device", help="cpu or cuda (default: $MINILLM_DEVICE, else CUDA if present)")
+    common.add_argument("--dtype", choices=sorted(TORCH_DTYPES),
+                        help="default: the model's on CUDA, float32 on the CPU")
+    common.add_argument("--out", help="write the record to this JSON file, e.g. "
+                                      "data/measurements/h200-decode.json")
+    return common
+
+
+def add_cli(subparsers) -> argparse._SubParsersAction:
+    """Register ``bench prefill|decode`` on the ``python -m minillm`` subparsers.
+
+    Returns the ``bench`` subcommands, so other benchmarks (``bench throughput``) can add theirs.
+    """
+    bench = subparsers.add_parser("bench", help="benchmarks that write JSON records")
+    commands = bench.add_subparsers(dest="bench_command", required=True)
+    common = _common_options()
+    prefill = commands.add_parser("prefill", parents=[common], help="prefill time against prompt length")
+    prefill.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
+    prefill.add_argument("--repeats", type=int, default=5)
+    prefill.set_defaults(func=run_cli)
+    decode = commands.add_parser("decode", parents=[common],
+                                 help="decode step time against batch size and context")
+    decode.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    decode.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
+    decode.add_argument("--steps", type=int, default=10, help="timed steps per point")
+    decode.set_defaults(func=run_cli)
+    return commands
+
+
+def run_cli(args) -> int:
+    """Run ``bench prefill`` or ``bench decode``, print the table, write the record if ``--out``."""
+    try:
+        device = resolve_device(args.device)
+        params = {"model": args.model, "device": str(device), "dtype": args.dtype}
+        if args.bench_command == "prefill":
+            params.update(lengths=args.lengths, repeats=args.repeats)
+            results = bench_prefill(args.model, device, args.dtype, args.lengths, args.repeats)
+            print(format_prefill(results))
+        else:
+            params.update(batches=args.batches, contexts=args.contexts, steps=args.steps)
+            results = bench_decode(args.model, device, args.dtype, args.batches, args.contexts,
+                                   args.steps)
+            print(format_decode(results))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.out:
+        write_record(args.out, args.bench_command, params, results, environment_record(device))
+        print(f"record written to {args.out}")
+    return 0

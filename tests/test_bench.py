@@ -1,0 +1,154 @@
+"""Recorded benchmarks: the record's keys, the sweeps on the tiny preset, the CLI."""
+import argparse
+import json
+import socket
+from datetime import datetime
+
+import pytest
+import torch
+
+from minillm import bench
+from minillm import estimate as ledger
+from minillm.config import load_config
+from minillm.hardware import DeviceProbe
+from minillm.report import load_records
+
+FIXED_PROBE = DeviceProbe(device="cpu", copy_bandwidth=10e9, matmul_flops=100e9,
+                          matmul_dtype="torch.float32")
+
+
+@pytest.fixture
+def fixed_probe(monkeypatch):
+    """Known ceilings, so the estimates in the results can be checked exactly."""
+    monkeypatch.setattr(bench, "probe_device", lambda device, dtype: FIXED_PROBE)
+
+
+def test_environment_record():
+    env = bench.environment_record("cpu")
+    assert env["device"]["type"] == "cpu" and env["device"]["name"]
+    assert env["device"]["memory_bytes"] > 0
+    for key in ("torch", "triton", "transformers", "python", "git_commit", "date"):
+        assert env[key], key
+    assert datetime.fromisoformat(env["date"]).utcoffset().total_seconds() == 0
+    hostname = socket.gethostname()
+    if len(hostname) >= 4:
+        assert hostname not in json.dumps(env)
+
+
+def test_git_commit_can_be_given(monkeypatch):
+    monkeypatch.setenv("MINILLM_GIT_COMMIT", "abc123")
+    assert bench.git_commit() == "abc123"
+    assert bench.environment_record("cpu")["git_commit"] == "abc123"
+
+
+def test_write_record(tmp_path):
+    path = tmp_path / "sub" / "x.json"
+    record = bench.write_record(path, "prefill", {"model": "tiny"}, {"points": [1.5]},
+                                {"device": "cpu"})
+    with open(path) as f:
+        assert json.load(f) == record
+    assert tuple(record) == bench.RECORD_KEYS
+    with pytest.raises(ValueError, match="kind"):
+        bench.write_record(path, "", {}, {}, {})
+
+
+def test_prefill_sweep_on_tiny(fixed_probe):
+    cfg = load_config("tiny")
+    results = bench.bench_prefill("tiny", "cpu", None, lengths=[8, 24], repeats=2)
+    assert results["model"] == {"name": "tiny", "params": ledger.param_count(cfg), "dtype": "float32",
+                                "weight_bytes": ledger.weight_bytes(cfg, "float32")}
+    assert results["probe"] == FIXED_PROBE.as_dict() and results["spec"] is None
+    assert [p["n"] for p in results["points"]] == [8, 24]
+    for point in results["points"]:
+        est = ledger.prefill(cfg, point["n"], "float32")
+        assert point["estimate"]["flops"] == est.flops
+        assert point["estimate"]["time_floor_s"] == est.time_floor(100e9, 10e9)
+        assert len(point["seconds"]) == 2 and all(s > 0 for s in point["seconds"])
+        assert point["achieved_flops"] == pytest.approx(est.flops / point["median_s"])
+        assert point["fraction_of_probed_flops"] == pytest.approx(point["achieved_flops"] / 100e9)
+
+
+def test_decode_sweep_on_tiny(fixed_probe):
+    cfg = load_config("tiny")
+    results = bench.bench_decode("tiny", "cpu", "fp32", batches=[1, 3], contexts=[5, 17], steps=2)
+    assert [(p["ctx"], p["batch"]) for p in results["points"]] == [(5, 1), (5, 3), (17, 1), (17, 3)]
+    for point in results["points"]:
+        est = ledger.decode_step(cfg, point["batch"], point["ctx"], 10e9, "float32")
+        assert point["estimate"]["bytes"] == est.bytes
+        assert point["estimate"]["kv_read_bytes"] == point["batch"] * point["ctx"] * cfg.num_layers \
+            * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+        assert point["estimate"]["time_floor_s"] == est.time_floor
+        assert len(point["seconds"]) == 2
+        assert point["tokens_per_s"] == pytest.approx(point["batch"] / point["median_s"])
+        assert point["achieved_bandwidth"] == pytest.approx(est.bytes / point["median_s"])
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(contexts=[10**9]), "contexts"),
+    (dict(contexts=[]), "contexts"),
+    (dict(batches=[0]), "batches"),
+    (dict(steps=0), "steps"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(device="tpu"), "device"),
+    (dict(model_name="no-such-model"), "no-such-model"),
+])
+def test_decode_rejects_bad_input(kwargs, field):
+    args = dict(model_name="tiny", device="cpu", batches=[1], contexts=[8], steps=1) | kwargs
+    with pytest.raises(ValueError, match=field):
+        bench.bench_decode(**args)
+
+
+def test_prefill_rejects_bad_input():
+    with pytest.raises(ValueError, match="lengths"):
+        bench.bench_prefill("tiny", "cpu", lengths=[0])
+    with pytest.raises(ValueError, match="repeats"):
+        bench.bench_prefill("tiny", "cpu", lengths=[8], repeats=0)
+
+
+def _cli(argv):
+    parser = argparse.ArgumentParser()
+    bench.add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_writes_a_record_the_book_can_read(tmp_path, capsys):
+    out = tmp_path / "cpu-decode.json"
+    code = _cli(["bench", "decode", "--model", "tiny", "--device", "cpu", "--batches", "1", "2",
+                 "--contexts", "8", "--steps", "2", "--out", str(out)])
+    assert code == 0
+    assert "record written" in capsys.readouterr().out
+    [record] = load_records("decode", tmp_path)
+    assert set(bench.RECORD_KEYS) <= set(record)
+    assert record["params"] == {"model": "tiny", "device": "cpu", "dtype": None, "batches": [1, 2],
+                                "contexts": [8], "steps": 2}
+    probe = record["results"]["probe"]
+    assert probe["copy_bandwidth"] > 0 and probe["matmul_flops"] > 0
+    assert probe["ridge_point"] == pytest.approx(probe["matmul_flops"] / probe["copy_bandwidth"])
+    assert [p["batch"] for p in record["results"]["points"]] == [1, 2]
+
+
+def test_cli_error_is_one_line(tmp_path, capsys):
+    code = _cli(["bench", "prefill", "--model", "no-such-model", "--device", "cpu",
+                 "--out", str(tmp_path / "x.json")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_out_of_memory_point_is_recorded_not_fatal(fixed_probe, monkeypatch):
+    timed = bench.time_decode_step
+
+    def time_or_oom(model, batch, ctx, steps):
+        if batch == 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return timed(model, batch, ctx, steps)
+
+    monkeypatch.setattr(bench, "time_decode_step", time_or_oom)
+    results = bench.bench_decode("tiny", "cpu", batches=[1, 3], contexts=[8], steps=1)
+    ok, oom = results["points"]
+    assert "error" not in ok and ok["median_s"] > 0
+    assert oom["error"] == "out of memory" and "seconds" not in oom
+    assert oom["estimate"]["bytes"] > ok["estimate"]["bytes"]
+    assert "out of memory" in bench.format_decode(results)

@@ -1,0 +1,190 @@
+"""The diagnosis (chapter 先问瓶颈，再换框架): records of three runs of the engine on a tiny model,
+each built to hit one wall, must be told apart; the ledger and the batch numbers must match what
+the engine did; bad records get a ValueError (and exit code 2 on the command line) naming what
+is wrong."""
+import argparse
+import copy
+import functools
+import json
+
+import pytest
+import torch
+
+from minillm import estimate as ledger
+from minillm.config import load_config
+from minillm.diagnose import WALLS, add_cli, diagnose, load_record
+from minillm.engine import LLM
+from minillm.loader import load_model
+from minillm.sampling import SamplingParams
+from minillm.workload import make_workload
+
+CONFIG = load_config("tiny").replace(name="tiny-diagnose", num_layers=2, hidden_size=64,
+                                     intermediate_size=128, num_heads=4, num_kv_heads=2,
+                                     head_dim=16, vocab_size=256)
+# name: (prompt lengths, output lengths, engine settings); each run takes well under a second
+SCENARIOS = {
+    "long_prompts": ([1500] * 4, [2] * 4, dict(num_kv_blocks=512, max_num_batched_tokens=2048)),
+    "many_decodes": ([8] * 32, [64] * 32, dict(num_kv_blocks=512)),
+    "small_pool": ([48] * 12, [48] * 12, dict(num_kv_blocks=16, max_model_len=256)),
+}
+EXPECTED = {"long_prompts": ("compute", "first_token"), "many_decodes": ("bandwidth", "tokens"),
+            "small_pool": ("capacity", "failure")}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Shapes this small run faster on one thread (and do not suffer from a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def tiny_model():
+    return load_model(CONFIG, device="cpu", dtype=torch.float32, weights="random")
+
+
+def run_engine(input_lens, output_lens, **settings) -> LLM:
+    llm = LLM(tiny_model(), enable_prefix_caching=False, **settings)
+    make_workload("test", input_lens, output_lens, CONFIG.vocab_size).run(llm)
+    return llm
+
+
+@functools.cache
+def scenario_record(name: str) -> dict:
+    input_lens, output_lens, settings = SCENARIOS[name]
+    return run_engine(input_lens, output_lens, **settings).metrics_record()
+
+
+def record_of(name: str) -> dict:
+    return copy.deepcopy(scenario_record(name))
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_each_scenario_names_its_wall_and_symptom(name):
+    result = diagnose(record_of(name))
+    assert (result.wall, result.symptom) == EXPECTED[name]
+    report = result.report()
+    assert f"Wall: {result.wall}" in report
+    assert result.evidence and all(line in report for line in result.evidence)
+
+
+def test_the_ledger_matches_the_estimate_and_the_pool():
+    record = record_of("small_pool")
+    memory = diagnose(record).memory
+    assert memory.weight_bytes == memory.weight_bytes_estimate == ledger.weight_bytes(CONFIG, "fp32")
+    assert memory.kv_bytes_per_token == memory.kv_bytes_per_token_estimate == ledger.kv_bytes_per_token(CONFIG, "fp32")
+    assert memory.kv_pool_tokens == 16 * record["engine"]["block_size"]
+    assert memory.peak_kv_tokens == memory.kv_pool_tokens  # a small pool fills up
+    assert memory.mean_request_tokens == 48 + 48
+    assert memory.headroom_bytes is None  # the pool was sized by hand: no card in the record
+
+
+def test_batches_and_queueing_come_from_the_step_log():
+    many = diagnose(record_of("many_decodes")).batching
+    # 32 short prompts fit one step; then 63 decode steps of all 32 requests
+    assert many.num_steps == 64 and many.max_batch == 32 and many.mean_decode_batch == 32
+    assert sum(many.waited_steps.values()) == 0
+    long_prompts = diagnose(record_of("long_prompts")).batching
+    assert long_prompts.waited_steps["token_budget"] >= 1 and long_prompts.waited_steps["kv_pool"] == 0
+    small = diagnose(record_of("small_pool"))
+    assert small.latency.num_preemptions > 0 and small.batching.waited_steps["kv_pool"] > 0
+    assert 0 < small.batching.queueing_share_of_ttft <= 1
+
+
+def test_prompt_flops_and_decode_bytes_follow_the_ledger():
+    """With every step lasting one second, the rates are the ledger's FLOPs and bytes per step."""
+    record = record_of("many_decodes")
+    for i, step in enumerate(record["stats"]["steps"]):
+        step["start"], step["end"] = float(i), float(i + 1)
+    batching = diagnose(record, bandwidth=1e9, peak_flops=1e12).batching
+    prompt = ledger.prefill(CONFIG, 8)
+    assert batching.prefill_flops_per_s == pytest.approx(32 * prompt.flops)
+    # decode steps 1..63 read contexts of 9..71 tokens (prompt 8 + outputs) for all 32 requests
+    kv_tokens = 32 * sum(range(9, 72)) / 63
+    expected_bytes = ledger.weight_bytes(CONFIG, "fp32") + kv_tokens * ledger.kv_bytes_per_token(CONFIG, "fp32")
+    assert batching.decode_bytes_per_s == pytest.approx(expected_bytes)
+    assert batching.mbu == pytest.approx(expected_bytes / 1e9)
+    assert batching.mfu == pytest.approx(32 * prompt.flops / 1e12)
+
+
+def test_the_wall_follows_where_the_busy_time_went():
+    """The same schedule, with the prompt step made to last longer than all decode steps: compute."""
+    record = record_of("many_decodes")
+    first = record["stats"]["steps"][0]
+    first["end"] = first["start"] + 10 * sum(s["end"] - s["start"] for s in record["stats"]["steps"])
+    result = diagnose(record)
+    assert result.wall == "compute" and result.batching.prefill_time_share > 0.9
+
+
+def test_an_aborted_request_is_a_failure():
+    llm = LLM(tiny_model(), num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.add_request("kept", [1, 2, 3], params)
+    llm.add_request("dropped", [4, 5, 6], params)
+    llm.step()
+    llm.abort("dropped")
+    while llm.has_unfinished():
+        llm.step()
+    result = diagnose(llm.metrics_record())
+    assert result.symptom == "failure" and result.latency.num_aborted == 1
+    assert result.wall in WALLS
+
+
+def test_a_saved_record_reads_the_same_and_the_cli_prints_it(tmp_path, capsys):
+    llm = run_engine(*SCENARIOS["small_pool"][:2], **SCENARIOS["small_pool"][2])
+    path = llm.save_metrics(tmp_path / "run.json")
+    assert diagnose(path).as_dict() == diagnose(json.loads(path.read_text())).as_dict()
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["diagnose", str(path)])
+    assert args.func(args) == 0
+    assert "Wall: capacity" in capsys.readouterr().out
+    args = parser.parse_args(["diagnose", str(path), "--json"])
+    assert args.func(args) == 0
+    assert json.loads(capsys.readouterr().out)["wall"] == "capacity"
+
+
+def _drop(path: str):
+    """A record with the field at dotted ``path`` removed."""
+    def change(record):
+        *parents, last = path.split(".")
+        node = record
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        del node[last]
+    return change
+
+
+@pytest.mark.parametrize("change,message", [
+    (_drop("engine.block_size"), "missing engine.block_size"),
+    (_drop("stats.steps"), "missing stats.steps"),
+    (_drop("memory"), "missing memory"),
+    (_drop("requests.0.ttft"), r"missing requests\[0\].ttft"),
+    (lambda r: r.update(format="something-else"), "not a minillm run record"),
+    (lambda r: r.update(requests=[]), "no finished requests"),
+    (lambda r: r["model"].update(layers=3), "model section is not a ModelConfig"),
+])
+def test_incomplete_records_name_what_is_missing(change, message):
+    record = record_of("many_decodes")
+    change(record)
+    with pytest.raises(ValueError, match=message):
+        diagnose(record)
+
+
+def test_unreadable_records_and_the_cli_exit_code(tmp_path, capsys):
+    with pytest.raises(ValueError, match="cannot read the metrics record"):
+        load_record(tmp_path / "missing.json")
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    with pytest.raises(ValueError, match="is not JSON"):
+        load_record(garbage)
+    with pytest.raises(ValueError, match="JSON object"):
+        load_record([1, 2])
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["diagnose", str(garbage)])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1

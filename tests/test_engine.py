@@ -1,0 +1,331 @@
+"""The engine (chapters 一次请求的一生 and 调度): the schedule changes when tokens are computed,
+never which. Greedy outputs in float64 on the CPU must equal one-request-at-a-time
+``minillm.generate`` under preemption (both modes), chunking, prefix hits, static batches and
+aborts, and every KV block must return to the pool."""
+import functools
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minillm
+from minillm.config import load_config
+from minillm.engine import LLM, LLMEngine
+from minillm.loader import load_model
+from minillm.memory import plan
+from minillm.metrics import SLO
+from minillm.sampling import SamplingParams
+
+CONFIG = load_config("tiny").replace(name="tiny-test", num_layers=2, hidden_size=64,
+                                     intermediate_size=128, num_heads=4, num_kv_heads=2,
+                                     head_dim=16, vocab_size=128)
+EOS = CONFIG.eos_token_ids[0]
+FAMILIES = [[random.Random(f).randrange(CONFIG.vocab_size) for _ in range(48)] for f in range(3)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Shapes this small run faster on one thread (and do not suffer from a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def tiny_model():
+    return load_model(CONFIG, device="cpu", dtype=torch.float64, weights="random")
+
+
+def greedy(max_tokens, ignore_eos=True, stop_token_ids=()):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                          stop_token_ids=stop_token_ids)
+
+
+@functools.cache
+def _reference(prompt: tuple, max_tokens: int, ignore_eos: bool, stop_token_ids: tuple) -> tuple:
+    params = greedy(max_tokens, ignore_eos, stop_token_ids)
+    return tuple(minillm.generate(tiny_model(), [list(prompt)], params)[0])
+
+
+def reference(prompt, params):
+    """What one request alone gets from the straightforward generator."""
+    return list(_reference(tuple(prompt), params.max_tokens, params.ignore_eos, params.stop_token_ids))
+
+
+def prompt_of(family, length, salt=0):
+    """Family 0: fresh random tokens; families 1.. share their first tokens (prefix-cache hits)."""
+    if family == 0:
+        rng = random.Random(f"{length}-{salt}")
+        return [rng.randrange(CONFIG.vocab_size) for _ in range(length)]
+    return FAMILIES[family][:length]
+
+
+def mixed_workload(count=8, seed=0, max_len=40, max_tokens=12):
+    rng = random.Random(seed)
+    prompts = [prompt_of(rng.randrange(3), rng.randint(1, max_len), salt=i) for i in range(count)]
+    params = [greedy(rng.randint(1, max_tokens)) for _ in prompts]
+    return prompts, params
+
+
+def run_and_check(llm, prompts, params):
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, outputs, strict=True):
+        assert out.prompt_token_ids == prompt
+        assert out.token_ids == reference(prompt, p)
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+    return outputs, stats
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_tiny_pool_forces_preemption_and_outputs_do_not_change(mode):
+    prompts, params = mixed_workload(count=10, seed=1)
+    llm = LLM(tiny_model(), block_size=4, num_kv_blocks=14, preemption_mode=mode)
+    _, stats = run_and_check(llm, prompts, params)
+    assert stats["num_preemptions"] > 0
+    swapped = sum(s["num_swapped_blocks"] for s in stats["steps"])
+    assert (swapped > 0) == (mode == "swap")
+
+
+def test_small_budget_chunks_prompts_and_outputs_do_not_change():
+    prompts, params = mixed_workload(count=6, seed=2)
+    llm = LLM(tiny_model(), block_size=4, num_kv_blocks=128, max_num_batched_tokens=5,
+              enable_prefix_caching=False)
+    _, stats = run_and_check(llm, prompts, params)
+    assert max(sum(n for _, n in s["scheduled"]) for s in stats["steps"]) <= 5
+    long_prompt = next(str(i) for i, p in enumerate(prompts) if len(p) > 5)
+    chunks = [n for s in stats["steps"] for rid, n in s["scheduled"] if rid == long_prompt]
+    assert chunks[0] < len(prompts[int(long_prompt)])  # its prefill took several steps
+    mixed = [s for s in stats["steps"] if s["num_prefill_tokens"] and s["num_decode_tokens"]]
+    assert mixed, "no step mixed prefill and decode tokens"
+
+
+def test_prefix_hits_skip_prefill_and_outputs_do_not_change():
+    prompts = [FAMILIES[1][:40], FAMILIES[1][:33], FAMILIES[1][:47] + [5]]
+    params = [greedy(6)] * 3
+    llm = LLM(tiny_model(), block_size=4, num_kv_blocks=64, max_num_seqs=1)
+    _, stats = run_and_check(llm, prompts, params)
+    assert stats["prefix_hit_tokens"] >= 32 + 40
+    assert stats["num_cached_blocks"] > 0
+
+
+@pytest.mark.parametrize("scheduling", ["continuous", "static"])
+def test_chunking_off_and_static_batches_give_the_same_tokens(scheduling):
+    prompts, params = mixed_workload(count=7, seed=3)
+    llm = LLM(tiny_model(), block_size=8, num_kv_blocks=64, max_num_seqs=3,
+              enable_chunked_prefill=False, max_num_batched_tokens=64, scheduling=scheduling)
+    _, stats = run_and_check(llm, prompts, params)
+    assert max(s["batch_size"] for s in stats["steps"]) <= 3
+
+
+@settings(max_examples=500, deadline=None)
+@given(data=st.data(),
+       block_size=st.sampled_from([1, 2, 4, 8, 16]),
+       budget=st.integers(1, 64),
+       max_num_seqs=st.integers(1, 8),
+       chunked=st.booleans(),
+       prefix_caching=st.booleans(),
+       mode=st.sampled_from(["recompute", "swap"]),
+       scheduling=st.sampled_from(["continuous", "static"]))
+def test_greedy_outputs_do_not_depend_on_the_schedule(data, block_size, budget, max_num_seqs,
+                                                      chunked, prefix_caching, mode, scheduling):
+    specs = data.draw(st.lists(st.tuples(
+        st.integers(0, 2),  # prompt family (1, 2 share prefixes)
+        st.integers(1, 40),  # prompt length
+        st.integers(1, 10),  # max_tokens
+        st.booleans(),  # ignore_eos
+        st.one_of(st.none(), st.integers(0, 9)),  # stop at the token the free run makes here
+        st.one_of(st.none(), st.integers(0, 30)),  # abort at this step
+    ), min_size=1, max_size=7))
+    prompts = [prompt_of(f, n, salt=i) for i, (f, n, *_) in enumerate(specs)]
+    params = []
+    for prompt, (_, _, max_tokens, ignore_eos, stop_at, _) in zip(prompts, specs):
+        free_run = reference(prompt, greedy(max_tokens))
+        stop = () if stop_at is None else (free_run[min(stop_at, len(free_run) - 1)],)
+        params.append(greedy(max_tokens, ignore_eos, stop))
+    longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
+    min_blocks = -(-longest // block_size)
+    num_blocks = data.draw(st.integers(min_blocks, 2 * min_blocks))
+    if not chunked:
+        budget = max(budget, max(map(len, prompts)))
+    engine = LLMEngine(tiny_model(), block_size=block_size, num_kv_blocks=num_blocks,
+                       max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                       enable_chunked_prefill=chunked, enable_prefix_caching=prefix_caching,
+                       preemption_mode=mode, scheduling=scheduling)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(i, prompt, p)
+    abort_at = {str(i): spec[-1] for i, spec in enumerate(specs) if spec[-1] is not None}
+    streamed = {str(i): [] for i in range(len(prompts))}
+    final = {}
+    step = 0
+    while engine.has_unfinished():
+        for request_id, when in abort_at.items():
+            if when == step and request_id not in final and request_id in engine.scheduler.requests:
+                engine.abort(request_id)
+        for out in engine.step():
+            streamed[out.request_id] += out.new_token_ids
+            if out.finished:
+                final[out.request_id] = out
+        step += 1
+    assert sorted(final) == sorted(streamed)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        out = final[str(i)]
+        expected = reference(prompt, p)
+        assert streamed[str(i)] == out.token_ids
+        if out.finish_reason == "abort":
+            assert out.token_ids == expected[:len(out.token_ids)]
+        else:
+            assert out.token_ids == expected
+            stopped = expected[-1] in p.stop_token_ids or (expected[-1] == EOS and not p.ignore_eos)
+            assert out.finish_reason == ("stop" if stopped else "length")
+    stats = engine.stats()
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"] == num_blocks
+    assert stats["num_running"] == stats["num_waiting"] == 0
+
+
+def test_streaming_and_timestamps():
+    engine = LLMEngine(tiny_model(), block_size=4, num_kv_blocks=64)
+    engine.add_request("a", FAMILIES[0][:9], greedy(5))
+    deltas = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            deltas.append(out.new_token_ids)
+            final = out
+    assert deltas == [[t] for t in final.token_ids]
+    m = final.metrics
+    assert m.arrival_time <= m.tokenized_time <= m.first_scheduled_time <= m.first_token_time
+    assert m.token_times == sorted(m.token_times) and len(m.token_times) == 5
+    assert m.first_token_time == m.token_times[0] and m.finish_time == m.token_times[-1]
+    assert m.ttft == m.first_token_time - m.arrival_time
+    assert m.tpot == pytest.approx((m.e2e - m.ttft) / 4)
+    assert m.queueing == m.first_scheduled_time - m.arrival_time
+
+
+def test_stop_reasons_and_max_model_len():
+    prompt = FAMILIES[2][:6]
+    free_run = reference(prompt, greedy(8))
+    stop_at = free_run[3]
+    llm = LLM(tiny_model(), block_size=4, num_kv_blocks=64, max_model_len=12)
+    outs = llm.generate([prompt, prompt, prompt],
+                        [greedy(8, stop_token_ids=(stop_at,)), greedy(3), greedy(20)], use_tqdm=False)
+    first_stop = free_run.index(stop_at)
+    assert outs[0].finish_reason == "stop" and outs[0].token_ids == free_run[:first_stop + 1]
+    assert outs[1].finish_reason == "length" and outs[1].token_ids == free_run[:3]
+    assert outs[2].finish_reason == "length" and len(outs[2].token_ids) == 12 - 6
+    assert outs[0].text is None  # no tokenizer
+
+
+def test_abort_returns_blocks_and_reports_abort():
+    engine = LLMEngine(tiny_model(), block_size=4, num_kv_blocks=32, max_num_seqs=2)
+    engine.add_request("keep", FAMILIES[0][:10], greedy(6))
+    engine.add_request("drop", FAMILIES[1][:10], greedy(6))
+    engine.add_request("never-ran", FAMILIES[2][:10], greedy(6))
+    engine.step()
+    engine.abort("drop")
+    engine.abort("never-ran")
+    with pytest.raises(ValueError, match="unknown"):
+        engine.abort("drop")
+    final = {}
+    while engine.has_unfinished():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert final["drop"].finish_reason == final["never-ran"].finish_reason == "abort"
+    assert final["never-ran"].token_ids == []
+    assert final["keep"].token_ids == reference(FAMILIES[0][:10], greedy(6))
+    assert engine.stats()["num_free_blocks"] == 32
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ([], "empty"),
+    ([1, 2, CONFIG.vocab_size], "token ids must be in"),
+    ([1, True], "token ids must be ints"),
+    (list(range(64)), "max_model_len"),
+    ("hello", "no tokenizer"),
+])
+def test_bad_requests_are_rejected_and_leave_nothing_behind(prompt, match):
+    engine = LLMEngine(tiny_model(), block_size=4, num_kv_blocks=16)
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("x", prompt, greedy(4))
+    assert not engine.has_unfinished()
+    with pytest.raises(ValueError, match="SamplingParams"):
+        engine.add_request("y", [1, 2], {"max_tokens": 3})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(preemption_mode="drop"), "preemption_mode"),
+    (dict(scheduling="fifo"), "scheduling"),
+    (dict(num_kv_blocks=0), "num_kv_blocks"),
+    (dict(block_size=0), "block_size"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+])
+def test_bad_settings_fail_before_the_model_is_loaded(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM("no-such-model-is-loaded", **kwargs)
+
+
+def test_pool_and_max_model_len_must_agree():
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(tiny_model(), block_size=4, num_kv_blocks=4, max_model_len=17)
+    llm = LLM(tiny_model(), block_size=4, num_kv_blocks=4)
+    assert llm.scheduler.max_model_len == 16
+
+
+def test_generate_checks_params_and_arrivals():
+    llm = LLM(tiny_model(), block_size=4, num_kv_blocks=16)
+    with pytest.raises(ValueError, match="params"):
+        llm.generate([[1], [2]], [greedy(2)], use_tqdm=False)
+    with pytest.raises(ValueError, match="arrival_times"):
+        llm.generate([[1], [2]], greedy(2), use_tqdm=False, arrival_times=[0.0])
+
+
+def test_online_replay_adds_requests_at_their_arrival_times():
+    prompts, params = mixed_workload(count=4, seed=5)
+    offsets = [0.0, 0.02, 0.04, 0.3]
+    llm = LLM(tiny_model(), block_size=4, num_kv_blocks=64)
+    outputs = llm.generate(prompts, params, use_tqdm=False, arrival_times=offsets)
+    start = outputs[0].metrics.arrival_time
+    for out, offset, prompt, p in zip(outputs, offsets, prompts, params):
+        assert out.metrics.arrival_time - start == pytest.approx(offset)
+        assert out.metrics.first_scheduled_time >= out.metrics.arrival_time
+        assert out.token_ids == reference(prompt, p)
+    assert len(llm.stats()["steps"]) >= 2
+
+
+def test_stats_and_metrics_record(tmp_path):
+    prompts, params = mixed_workload(count=5, seed=6)
+    llm = LLM(tiny_model(), block_size=4, num_kv_blocks=20)
+    llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.stats()
+    for key in ("num_kv_blocks", "num_free_blocks", "num_cached_blocks", "num_preemptions",
+                "prefix_hit_tokens", "steps"):
+        assert key in stats
+    steps = stats["steps"]
+    assert sum(s["num_prefill_tokens"] + s["num_decode_tokens"] for s in steps) == \
+        sum(n for s in steps for _, n in s["scheduled"])
+    assert all(s["batch_size"] == len(s["scheduled"]) and s["start"] <= s["end"] for s in steps)
+    path = llm.save_metrics(tmp_path / "run.json", slo=SLO(ttft=10.0, tpot=10.0))
+    record = json.loads(path.read_text())
+    assert record["format"] == "minillm-run-metrics"
+    assert record["model"]["num_layers"] == 2 and record["engine"]["num_kv_blocks"] == 20
+    assert len(record["requests"]) == 5
+    assert record["summary"]["output_tokens"] == sum(p.max_tokens for p in params)
+    assert record["memory"]["kv_cache_bytes"] == 20 * 4 * 2 * 2 * CONFIG.kv_size * 8
+    # a new generate() starts a new run
+    llm.generate(prompts[:1], params[:1], use_tqdm=False)
+    assert len(llm.metrics_record()["requests"]) == 1
+
+
+def test_the_planner_sizes_the_pool_when_num_kv_blocks_is_none():
+    llm = LLM(tiny_model(), block_size=16, memory_limit="64MiB", max_num_batched_tokens=256,
+              max_model_len=512)
+    expected = plan(tiny_model(), block_size=16, memory_limit="64MiB", max_num_batched_tokens=256,
+                    max_model_len=512)
+    assert llm.stats()["num_kv_blocks"] == expected.num_blocks
+    assert llm.scheduler.max_model_len == 512
+    prompts, params = mixed_workload(count=3, seed=7)
+    run_and_check(llm, prompts, params)

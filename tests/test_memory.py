@@ -1,0 +1,245 @@
+"""The memory planner (chapter 一张 24 GiB 的卡放 8B 模型): dry runs, CPU profiles, the CLI."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from minillm.config import load_config
+from minillm.engine import LLM
+from minillm.estimate import GiB, kv_bytes_per_token, memory_budget, weight_bytes
+from minillm.loader import load_model
+from minillm.memory import (MemoryPlanError, PeakTensorBytes, activation_estimate, add_cli,
+                            plan)
+from minillm.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return load_config("llama-3.1-8b")
+
+
+@pytest.fixture(scope="module")
+def plan_8b_24gib():
+    return plan("llama-3.1-8b", gpu_memory="24GiB", max_model_len=-1)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return load_model("tiny", device="cpu", weights="random")
+
+
+# Small steps keep the CPU profile fast: 256 tokens shared by 8 sequences.
+CPU_STEP = dict(max_num_batched_tokens=256, max_num_seqs=8)
+
+
+@pytest.mark.parametrize("field,kwargs,match", [
+    ("gpu_memory", dict(gpu_memory="-3GiB"), "gpu_memory"),
+    ("gpu_memory", dict(gpu_memory="abc"), "gpu_memory"),
+    ("gpu_memory", dict(gpu_memory="0GiB"), "gpu_memory"),
+    ("memory_limit", dict(memory_limit="lots", device="cpu"), "memory_limit"),
+    ("utilization", dict(gpu_memory="24GiB", gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    ("utilization", dict(gpu_memory="24GiB", gpu_memory_utilization=0), "gpu_memory_utilization"),
+    ("block_size", dict(gpu_memory="24GiB", block_size=0), "block_size"),
+    ("max_model_len", dict(gpu_memory="24GiB", max_model_len=0), "max_model_len"),
+    ("max_model_len", dict(gpu_memory="24GiB", max_model_len=131073), "max_position_embeddings"),
+    ("dtype", dict(gpu_memory="24GiB", dtype="int3"), "dtype"),
+    ("both sizes", dict(gpu_memory="24GiB", memory_limit="1GiB"), "not both"),
+])
+def test_bad_arguments_are_named(field, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan("llama-3.1-8b", **kwargs)
+
+
+def test_sizes_are_read_in_both_unit_systems(plan_8b_24gib):
+    assert plan_8b_24gib.total_bytes == 24 * 2**30
+    assert plan("llama-3.1-8b", gpu_memory="80GB", max_model_len=8192).total_bytes == 80 * 10**9
+
+
+def test_8b_dry_run_on_24gib_stays_under_the_ledger_bound(llama8b, plan_8b_24gib):
+    p = plan_8b_24gib
+    bound = memory_budget(llama8b, "24GiB", 0.92, "bf16")
+    assert p.source == "estimated" and not p.profiled
+    assert p.dtype == "bfloat16" and p.total_bytes == 24 * GiB
+    assert p.budget_bytes == int(24 * GiB * 0.92)
+    assert p.weight_bytes == weight_bytes(llama8b, "bf16")  # the meta model's bytes = the ledger's
+    assert p.activation_peak_bytes == activation_estimate(llama8b, 2048, 256, torch.bfloat16) > 0
+    assert p.bytes_per_block == 16 * kv_bytes_per_token(llama8b, "bf16")
+    assert p.kv_budget_bytes < bound.left
+    assert p.num_blocks == p.kv_budget_bytes // p.bytes_per_block
+    assert 0 < p.tokens <= bound.tokens
+    for ctx in (1024, 4096, 8192):
+        assert p.concurrent_requests(ctx) == p.num_blocks // -(-ctx // 16) <= bound.concurrent_requests(ctx)
+
+
+def test_activation_formula_grows_with_the_step(llama8b):
+    small = activation_estimate(llama8b, 512, 256, torch.bfloat16)
+    large = activation_estimate(llama8b, 8192, 256, torch.bfloat16)
+    mlp_8192 = 8192 * (2 * llama8b.hidden_size + 3 * llama8b.intermediate_size) * 2
+    assert small < large == mlp_8192
+
+
+def test_131072_does_not_fit_and_the_error_names_a_length_that_does():
+    with pytest.raises(MemoryPlanError) as err:
+        plan("llama-3.1-8b", gpu_memory="24GiB", max_model_len=131072)
+    longest = err.value.max_model_len_that_fits
+    assert 0 < longest < 131072
+    assert f"{longest:,}" in str(err.value) and "131,072" in str(err.value)
+    assert plan("llama-3.1-8b", gpu_memory="24GiB", max_model_len=longest).max_model_len == longest
+    with pytest.raises(MemoryPlanError):
+        plan("llama-3.1-8b", gpu_memory="24GiB", max_model_len=longest + 1)
+
+
+def test_default_max_model_len_is_the_models_and_fails_on_24gib():
+    with pytest.raises(MemoryPlanError, match="131,072"):
+        plan("llama-3.1-8b", gpu_memory="24GiB")
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_auto_fit_finds_the_longest_length(block_size):
+    p = plan("llama-3.1-8b", gpu_memory="24GiB", max_model_len=-1, block_size=block_size)
+    length = p.max_model_len
+    assert p.fits(length) and not p.fits(length + 1)
+    assert length == p.num_blocks * block_size  # below max positions: every slot of the pool
+    with pytest.raises(MemoryPlanError):
+        plan("llama-3.1-8b", gpu_memory="24GiB", max_model_len=length + block_size, block_size=block_size)
+
+
+def test_auto_fit_stops_at_the_models_max_positions():
+    p = plan("llama-3.1-8b", gpu_memory="141GiB", max_model_len=-1)
+    assert p.max_model_len == 131072 and p.tokens > 131072
+
+
+def test_weights_alone_do_not_fit_in_16gib():
+    with pytest.raises(MemoryPlanError, match="weights alone") as err:
+        plan("llama-3.1-8b", gpu_memory="16GiB", max_model_len=8192)
+    assert err.value.max_model_len_that_fits == 0 and err.value.plan.num_blocks == 0
+
+
+def test_mha_variant_holds_a_quarter_of_the_tokens(llama8b):
+    gqa = plan(llama8b, gpu_memory="24GiB", max_model_len=-1)
+    mha = plan(llama8b.replace(num_kv_heads=llama8b.num_heads), gpu_memory="24GiB", max_model_len=-1)
+    assert mha.bytes_per_block == 4 * gqa.bytes_per_block
+    assert mha.tokens < gqa.tokens / 4 + 16
+
+
+# --- the CPU meter and the profiled plan -------------------------------------------------------
+
+def test_peak_meter_counts_live_tensors_only():
+    x = torch.randn(256, 1024)  # 1 MiB, made before the meter: not counted
+    with PeakTensorBytes() as meter:
+        a = x * 2  # 1 MiB
+        b = a.relu()  # 2 MiB alive
+        del a
+        c = b + 1  # still 2 MiB
+        view = x.t()  # a view of a tensor made before: no new memory
+        del b, c, view
+    assert meter.peak_bytes == 2 * x.nbytes
+    assert meter.live_bytes == 0
+
+
+def test_cpu_plan_with_a_memory_limit_is_profiled(tiny_model):
+    cfg = tiny_model.config
+    p = plan(tiny_model, memory_limit="64MiB", max_model_len=-1, **CPU_STEP)
+    assert p.source == "profiled" and p.profiled and "64 MiB" in p.device
+    assert p.total_bytes == 64 * 2**20 and p.other_bytes == 0
+    assert p.weight_bytes == weight_bytes(cfg, "float32")
+    # Gate, up and their product of one MLP are alive together: a floor on the measured peak.
+    assert p.activation_peak_bytes >= 3 * 256 * cfg.intermediate_size * 4
+    assert p.bytes_per_block == 16 * kv_bytes_per_token(cfg, "float32")
+    kv_budget = int(64 * 2**20 * 0.92) - p.weight_bytes - p.activation_peak_bytes
+    assert p.num_blocks == kv_budget // p.bytes_per_block > 0
+    assert p.max_model_len == p.tokens
+
+
+def test_cpu_plan_loads_a_preset_and_needs_a_memory_limit(tiny_model):
+    with pytest.raises(ValueError, match="memory_limit"):
+        plan("tiny", device="cpu")
+    loaded = plan("tiny", device="cpu", memory_limit="64MiB", max_model_len=1024, **CPU_STEP)
+    assert loaded.weight_bytes == weight_bytes(tiny_model.config, "float32")
+    assert loaded.max_model_len == 1024
+
+
+def test_cpu_limit_too_small_for_the_step(tiny_model):
+    weights = weight_bytes(tiny_model.config, "float32")
+    one_block = 16 * kv_bytes_per_token(tiny_model.config, "float32")
+    limit = int((weights + one_block) / 0.92) + 1  # room for the weights and one block, not the step
+    with pytest.raises(MemoryPlanError, match="no room for one KV block"):
+        plan(tiny_model, memory_limit=limit, max_model_len=16, **CPU_STEP)
+
+
+def test_engine_admits_as_many_requests_as_the_plan_says(tiny_model):
+    """A card sized for about 4.5 requests of 64 tokens: the engine built from the plan runs the
+    planned number at once (whole prompts, no chunks in spare blocks), never more, and every
+    block comes back."""
+    ctx, wanted, block_size = 64, 4.5, 16
+    engine_args = dict(max_num_batched_tokens=256, max_num_seqs=256, block_size=block_size,
+                       max_model_len=2 * ctx)
+    probe = plan(tiny_model, memory_limit="64MiB", **engine_args)
+    limit = (probe.weight_bytes + probe.activation_peak_bytes
+             + wanted * probe.blocks_for(ctx) * probe.bytes_per_block) / 0.92
+    llm = LLM(tiny_model, device="cpu", memory_limit=int(limit), enable_chunked_prefill=False,
+              enable_prefix_caching=False, **engine_args)
+    memory_plan = llm.memory_plan
+    planned = memory_plan.concurrent_requests(ctx)
+    assert planned == int(wanted) and llm.stats()["num_kv_blocks"] == memory_plan.num_blocks
+    # A prompt in the first token of the request's last block, then decode to the block's end:
+    # each request holds blocks_for(ctx) blocks from admission to finish.
+    prompt_len, max_tokens = ctx - block_size + 1, block_size
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(tiny_model.config.vocab_size, (prompt_len,), generator=generator).tolist()
+               for _ in range(planned + 2)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert all(len(out.token_ids) == max_tokens for out in outputs)
+    steps = llm.stats()["steps"]
+    assert steps[0]["batch_size"] == planned and steps[0]["num_waiting"] == 2
+    assert max(step["batch_size"] for step in steps) == planned
+    assert not any(step["preempted"] for step in steps)
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_kv_blocks"]
+
+
+# --- python -m minillm plan ----------------------------------------------------------------------
+
+def run_plan_cli(capsys, *argv):
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", *argv])
+    code = args.func(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_131072_exits_2_naming_a_length(capsys, plan_8b_24gib):
+    code, out, err = run_plan_cli(capsys, "--model", "llama-3.1-8b", "--gpu-memory", "24GiB",
+                                  "--max-model-len", "131072")
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert f"{plan_8b_24gib.max_model_len:,}" in err
+
+
+def test_cli_auto_fit_prints_the_table(capsys, llama8b, plan_8b_24gib):
+    code, out, _ = run_plan_cli(capsys, "--model", "llama-3.1-8b", "--gpu-memory", "24GiB",
+                                "--max-model-len", "-1")
+    assert code == 0
+    assert "activation peak" in out and "KV blocks" in out
+    assert f"{plan_8b_24gib.max_model_len:,}" in out and f"{plan_8b_24gib.num_blocks:,}" in out
+    assert plan_8b_24gib.max_model_len <= memory_budget(llama8b, "24GiB").tokens
+
+
+def test_cli_json(capsys, plan_8b_24gib):
+    code, out, _ = run_plan_cli(capsys, "--model", "llama-3.1-8b", "--gpu-memory", "24GiB",
+                                "--max-model-len", "-1", "--json")
+    record = json.loads(out)
+    assert code == 0 and record["num_blocks"] == plan_8b_24gib.num_blocks
+    assert record["source"] == "estimated" and record["profiled"] is False
+
+
+def test_cli_weights_do_not_fit_in_16gib(capsys):
+    code, _, err = run_plan_cli(capsys, "--model", "llama-3.1-8b", "--gpu-memory", "16GiB")
+    assert code == 2 and "weights alone" in err
+
+
+def test_cli_nonsense_size(capsys):
+    code, _, err = run_plan_cli(capsys, "--model", "llama-3.1-8b", "--gpu-memory=-3GiB")
+    assert code == 2 and "gpu_memory" in err and "Traceback" not in err

@@ -1,0 +1,70 @@
+"""SamplingParams validation and sample() (chapter 解码)."""
+import pytest
+import torch
+
+from minillm.sampling import SamplingParams, make_generator, sample
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("temperature", "1"), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("top_k", 2.5),
+    ("max_tokens", 0), ("max_tokens", 3.0), ("max_tokens", True), ("seed", 1.5),
+    ("stop_token_ids", (1, -2)), ("stop_token_ids", ("a",)), ("ignore_eos", 1),
+])
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_defaults_and_normalized_stop_ids():
+    params = SamplingParams(stop_token_ids=[5, 7])
+    assert params.stop_token_ids == (5, 7)
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (1.0, 1.0, 0, 16)
+    assert SamplingParams(temperature=0).greedy and not params.greedy
+
+
+def _draws(logits, params, n, seed=0):
+    generator = make_generator(seed, "cpu")
+    return torch.stack([sample(logits, [params], [generator]) for _ in range(n)])[:, 0]
+
+
+def test_greedy_is_argmax_per_row():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    tokens = sample(logits, [SamplingParams(temperature=0)] * 5, [None] * 5)
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_frequencies_follow_the_softmax():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    draws = _draws(probs.log()[None], SamplingParams(), 4000)
+    freq = torch.bincount(draws, minlength=4) / 4000
+    torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
+
+
+def test_top_k_and_top_p_cut_the_tail():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    assert set(_draws(logits, SamplingParams(top_k=2), 400).tolist()) == {0, 1}
+    assert set(_draws(logits, SamplingParams(top_k=1, temperature=5.0), 50).tolist()) == {0}
+    # top_p keeps the best tokens until their mass reaches top_p: 0.5 + 0.3 >= 0.7
+    assert set(_draws(logits, SamplingParams(top_p=0.7), 400).tolist()) == {0, 1}
+    assert set(_draws(logits, SamplingParams(top_p=0.5), 50).tolist()) == {0}
+    assert set(_draws(logits, SamplingParams(top_p=0.81), 400).tolist()) == {0, 1, 2}
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    cold = _draws(logits, SamplingParams(temperature=0.05), 200)
+    hot = _draws(logits, SamplingParams(temperature=50.0), 900)
+    assert set(cold.tolist()) == {0}
+    assert (torch.bincount(hot, minlength=3) > 250).all()
+
+
+def test_seeds_reproduce_and_ignore_the_rest_of_the_batch():
+    logits = torch.zeros(3, 1000)
+    params = [SamplingParams(seed=1), SamplingParams(seed=2), SamplingParams(temperature=0)]
+    first = [sample(logits, params, [make_generator(p.seed, "cpu") for p in params]) for _ in range(2)]
+    assert torch.equal(first[0], first[1])
+    assert first[0][0] != first[0][1]
+    alone = sample(logits[:1], params[:1], [make_generator(1, "cpu")])
+    assert alone[0] == first[0][0]
+    assert make_generator(None, "cpu") is None
