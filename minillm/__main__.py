@@ -76,6 +76,29 @@ def cmd_estimate(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from minillm import LLM, SamplingParams
+
+    if (args.prompt is None) == (args.token_ids is None):
+        raise CLIError("give exactly one of --prompt TEXT or --token-ids 1,2,3")
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_tokens, seed=args.seed)
+        llm = LLM(args.model, device=args.device, weights=args.weights,
+                  num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len)
+        prompt = args.prompt if args.prompt is not None else args.token_ids
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+    print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
+    m = out.metrics
+    print(f"[{len(out.token_ids)} tokens, finish={out.finish_reason}, TTFT {m.ttft * 1e3:.1f} ms, "
+          f"TPOT {m.tpot * 1e3:.1f} ms]" if m.tpot is not None else
+          f"[{len(out.token_ids)} tokens, finish={out.finish_reason}, TTFT {m.ttft * 1e3:.1f} ms]",
+          file=sys.stderr)
+    return 0
+
+
 def _ints(text):
     try:
         values = [int(v) for v in text.split(",")]
@@ -99,10 +122,25 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--dtype", default="bf16", choices=sorted(ledger.DTYPE_BYTES))
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
     est.set_defaults(func=cmd_estimate)
-    from minillm import bench, bench_throughput, memory
+    gen = commands.add_parser("generate", help="generate from one prompt with the engine")
+    gen.add_argument("--model", required=True, help="directory with config.json (+ weights), preset or hub id")
+    gen.add_argument("--prompt", help="prompt text (needs a tokenizer in the model folder)")
+    gen.add_argument("--token-ids", type=_ints, help="prompt as comma-separated token ids")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--device", help="cpu or cuda (default: $MINILLM_DEVICE, else CUDA if present)")
+    gen.add_argument("--weights", default="auto", choices=["auto", "random"])
+    gen.add_argument("--num-kv-blocks", type=int, default=256, help="KV blocks of 16 tokens (default 256)")
+    gen.add_argument("--max-model-len", type=int, help="longest request (default: what the pool holds)")
+    gen.set_defaults(func=cmd_generate)
+    from minillm import bench, bench_throughput, diagnose, memory
 
     bench_throughput.add_cli(bench.add_cli(commands))
     memory.add_cli(commands)
+    diagnose.add_cli(commands)
     return parser
 
 

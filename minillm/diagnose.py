@@ -15,7 +15,8 @@ From these it names the wall:
 
 - **capacity** when the KV pool ran out: any preemption, or requests left waiting in at least
   ``KV_BLOCKED_SHARE`` of the steps although the token budget and ``max_num_seqs`` had room;
-- else **compute** when computing prompts (prefill) took at least half of the engine's busy time;
+- else **compute** when computing prompts (prefill) took at least ``PREFILL_TIME_SHARE`` of the
+  engine's busy time;
 - else **bandwidth**: the engine spent its time on decode steps, each of which reads all weights
   and every running request's KV.
 
@@ -41,6 +42,7 @@ WAIT_REASONS = ("kv_pool", "token_budget", "max_num_seqs", "static_batch")
 KV_BLOCKED_SHARE = 0.1  # steps in which the KV pool kept requests waiting: capacity from here up
 PREFILL_TIME_SHARE = 0.5  # busy time spent on prompt tokens: compute from here up
 HEAVY_PREEMPTIONS_PER_REQUEST = 0.5  # preemptions per request that users see as failure
+FIRST_TOKEN_SHARE = 0.5  # the wait before the first token, of end-to-end: first token slow from here up
 
 REQUIRED = {  # what a record must hold, by dotted path
     "record": ("model", "dtype", "engine", "memory", "stats", "requests"),
@@ -439,7 +441,7 @@ def _symptom(latency: Latency) -> str:
     if latency.num_aborted or (latency.num_preemptions
                                >= HEAVY_PREEMPTIONS_PER_REQUEST * latency.num_requests):
         return "failure"
-    if latency.first_token_share is not None and latency.first_token_share >= 0.5:
+    if latency.first_token_share is not None and latency.first_token_share >= FIRST_TOKEN_SHARE:
         return "first_token"
     return "tokens"
 

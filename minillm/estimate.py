@@ -167,6 +167,23 @@ def prefill(cfg: ModelConfig, n: int, dtype="bf16") -> PrefillEstimate:
                            weight_bytes(cfg, dtype), kv_bytes(cfg, n, dtype))
 
 
+def prefill_crossover(cfg: ModelConfig, peak_flops: float, bandwidth: float, dtype="bf16") -> int:
+    """The shortest prompt whose prefill takes longer to compute than to read (F/P >= M/W):
+    below it prefill is bandwidth-bound, from it on compute-bound (chapter 预填充)."""
+    def compute_bound(n):
+        est = prefill(cfg, n, dtype)
+        return est.flops / peak_flops >= est.bytes / bandwidth
+
+    high = 1
+    while not compute_bound(high):
+        high *= 2
+    low = high // 2  # not compute-bound (or 0)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if compute_bound(mid) else (mid, high)
+    return high
+
+
 @dataclass(frozen=True)
 class DecodeEstimate:
     """One decode step: ``batch`` requests each add one token at context ``ctx``."""

@@ -12,7 +12,7 @@ import torch
 
 from minillm import estimate as ledger
 from minillm.config import load_config
-from minillm.diagnose import WALLS, add_cli, diagnose, load_record
+from minillm.diagnose import SYMPTOMS, WALLS, add_cli, diagnose, load_record
 from minillm.engine import LLM
 from minillm.loader import load_model
 from minillm.sampling import SamplingParams
@@ -31,13 +31,7 @@ EXPECTED = {"long_prompts": ("compute", "first_token"), "many_decodes": ("bandwi
             "small_pool": ("capacity", "failure")}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Shapes this small run faster on one thread (and do not suffer from a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache
@@ -65,6 +59,7 @@ def record_of(name: str) -> dict:
 def test_each_scenario_names_its_wall_and_symptom(name):
     result = diagnose(record_of(name))
     assert (result.wall, result.symptom) == EXPECTED[name]
+    assert result.wall in WALLS and result.symptom in SYMPTOMS
     report = result.report()
     assert f"Wall: {result.wall}" in report
     assert result.evidence and all(line in report for line in result.evidence)
@@ -79,6 +74,18 @@ def test_the_ledger_matches_the_estimate_and_the_pool():
     assert memory.peak_kv_tokens == memory.kv_pool_tokens  # a small pool fills up
     assert memory.mean_request_tokens == 48 + 48
     assert memory.headroom_bytes is None  # the pool was sized by hand: no card in the record
+
+
+def test_a_planned_pool_reports_the_card_and_its_headroom():
+    llm = LLM(tiny_model(), num_kv_blocks=None, memory_limit="16MiB", max_num_batched_tokens=256,
+              enable_prefix_caching=False)
+    make_workload("planned", [32] * 4, [4] * 4, CONFIG.vocab_size).run(llm)
+    memory = diagnose(llm.metrics_record()).memory
+    plan = llm.memory_plan
+    assert memory.total_bytes == 16 * 2**20 and memory.budget_bytes == plan.budget_bytes
+    assert memory.headroom_bytes == (memory.total_bytes - plan.weight_bytes - plan.activation_peak_bytes
+                                     - plan.other_bytes - plan.kv_cache_bytes)
+    assert 0 <= memory.headroom_bytes - (memory.total_bytes - memory.budget_bytes) < plan.bytes_per_block
 
 
 def test_batches_and_queueing_come_from_the_step_log():

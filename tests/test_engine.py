@@ -26,13 +26,7 @@ EOS = CONFIG.eos_token_ids[0]
 FAMILIES = [[random.Random(f).randrange(CONFIG.vocab_size) for _ in range(48)] for f in range(3)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Shapes this small run faster on one thread (and do not suffer from a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

@@ -123,6 +123,17 @@ def test_parse_size_and_errors():
         memory_budget(load_config("tiny"), "24GiB", 1.5)
 
 
+def test_prefill_crossover_sits_near_the_ridge(llama8b):
+    from minillm.estimate import prefill_crossover
+    from minillm.hardware import lookup_gpu
+    h100 = lookup_gpu("H100 SXM")
+    n = prefill_crossover(llama8b, h100.bf16_flops, h100.bandwidth)
+    assert n == 316
+    before, at = prefill(llama8b, n - 1), prefill(llama8b, n)
+    assert before.flops / h100.bf16_flops < before.bytes / h100.bandwidth
+    assert at.flops / h100.bf16_flops >= at.bytes / h100.bandwidth
+
+
 def test_ridge_point():
     assert ridge_point(989e12, 3.35e12) == pytest.approx(295.2, abs=0.1)
 

@@ -23,6 +23,7 @@ def test_random_weights_at_the_preset_shape():
     assert sum(p.numel() for p in model.parameters()) == param_count(cfg)
     assert all(p.dtype == torch.float32 and p.device.type == "cpu" and not p.requires_grad
                for p in model.parameters())
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1  # one buffer
     for module in model.modules():
         if isinstance(module, RMSNorm):
             assert torch.all(module.weight == 1)
