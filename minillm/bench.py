@@ -25,8 +25,7 @@ from minillm import estimate as ledger
 from minillm.config import load_config
 from minillm.hardware import describe_device, measure_seconds, probe_device, resolve_device
 from minillm.kv_cache import ContiguousKVCache
-from minillm.loader import load_model
-from minillm.memory import TORCH_DTYPES
+from minillm.loader import TORCH_DTYPES, load_model, torch_dtype
 from minillm.model import Transformer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -105,17 +104,9 @@ def _check_sizes(name: str, values, limit: int | None = None) -> list[int]:
     return values
 
 
-def _torch_dtype(dtype) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in TORCH_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
-    return TORCH_DTYPES[dtype]
-
-
 def _setup(model_name: str, device, dtype) -> tuple[Transformer, dict]:
     """The model with random weights, and the shared part of the results: model, spec, probes."""
-    dtype = _torch_dtype(dtype)
+    dtype = torch_dtype(dtype)
     model = load_model(model_name, device=resolve_device(device), dtype=dtype, weights="random")
     cfg, dtype_name = model.config, str(model.dtype).removeprefix("torch.")
     spec = describe_device(model.device).spec

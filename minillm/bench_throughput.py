@@ -17,8 +17,7 @@ from minillm.config import load_config, resolve_model_dir
 from minillm.engine import LLM
 from minillm.estimate import ceil_div
 from minillm.hardware import describe_device, resolve_device, synchronize
-from minillm.loader import load_model
-from minillm.memory import TORCH_DTYPES
+from minillm.loader import TORCH_DTYPES, load_model
 from minillm.sampling import SamplingParams
 from minillm.workload import Workload, random_prompts, throughput_workload
 

@@ -82,6 +82,11 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"{name}: rope_type {rope_type!r} is not supported (default, llama3)")
+        window = hf.get("sliding_window")
+        uses_window = model_type == "mistral" or hf.get("use_sliding_window", False)
+        if uses_window and window is not None and window < hf["max_position_embeddings"]:
+            raise ValueError(f"{name}: sliding-window attention (window {window}) is not supported; "
+                             f"minillm attends to the whole context")
         attention_bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

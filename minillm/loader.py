@@ -97,6 +97,20 @@ def _download(repo_id: str, weights: str) -> Path:
                          f"Hub failed: {type(e).__name__}: {e}") from e
 
 
+TORCH_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32,
+                "fp64": torch.float64, "float64": torch.float64}
+
+
+def torch_dtype(dtype) -> torch.dtype | None:
+    """A torch dtype from a name (``"bf16"``, ``"float32"``) or a ``torch.dtype``; None stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
+    return TORCH_DTYPES[dtype]
+
+
 def _default_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
     if device.type != "cuda":
         return torch.float32

@@ -30,13 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from minillm.config import ModelConfig, load_config
 from minillm.estimate import GiB, MiB, ceil_div, dtype_bytes, fmt_int, kv_bytes_per_token, parse_size
 from minillm.hardware import describe_device, resolve_device
-from minillm.loader import load_model
+from minillm.loader import TORCH_DTYPES, load_model, torch_dtype
 from minillm.model import AttentionMetadata, Transformer
-
-TORCH_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32,
-                "fp64": torch.float64, "float64": torch.float64}
-
 
 class MemoryPlanError(ValueError):
     """The model or the requested length does not fit; ``plan`` holds the breakdown and
@@ -319,7 +314,7 @@ def plan(model, device=None, gpu_memory_utilization: float = 0.92, block_size: i
                 card_bytes = parse_size(size)
             except ValueError as err:
                 raise ValueError(f"{name}: {err}") from None
-    torch_dtype = _torch_dtype(dtype)
+    dtype = torch_dtype(dtype)
     cfg = (model.config if isinstance(model, Transformer) else
            model if isinstance(model, ModelConfig) else load_config(model))
     if max_model_len is not None and max_model_len > cfg.max_position_embeddings:
@@ -328,9 +323,9 @@ def plan(model, device=None, gpu_memory_utilization: float = 0.92, block_size: i
 
     num_seqs = min(max_num_seqs, max_num_batched_tokens)
     if gpu_memory is not None:
-        measured = _dry_run(cfg, torch_dtype, card_bytes, max_num_batched_tokens, num_seqs)
+        measured = _dry_run(cfg, dtype, card_bytes, max_num_batched_tokens, num_seqs)
     else:
-        measured = _profile(model, device, torch_dtype, card_bytes, max_num_batched_tokens,
+        measured = _profile(model, device, dtype, card_bytes, max_num_batched_tokens,
                             num_seqs, block_size)
     bytes_per_block = block_size * kv_bytes_per_token(cfg, measured["dtype"])
     kv_budget = (int(measured["total_bytes"] * gpu_memory_utilization) - measured["weight_bytes"]
@@ -343,18 +338,10 @@ def plan(model, device=None, gpu_memory_utilization: float = 0.92, block_size: i
     return _check_fit(result, max_model_len)
 
 
-def _torch_dtype(dtype) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in TORCH_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
-    return TORCH_DTYPES[dtype]
-
-
 def _dry_run(cfg: ModelConfig, dtype, card_bytes: int, num_tokens: int, num_seqs: int) -> dict:
     """Weights from a model built on the meta device, the activation peak from the formula; the
     overhead outside PyTorch is unknown without the card and counted as 0."""
-    dtype = dtype or _torch_dtype(cfg.torch_dtype)
+    dtype = dtype or torch_dtype(cfg.torch_dtype)
     with torch.device("meta"):
         model = Transformer(cfg).to(dtype)
     return dict(device=f"{_human(card_bytes)} card (dry run)", dtype=_dtype_name(dtype),

@@ -23,8 +23,8 @@ from minillm.bench import environment_record, write_record
 from minillm.engine import LLM
 from minillm.estimate import memory_budget, parse_size
 from minillm.hardware import resolve_device
-from minillm.loader import load_model
-from minillm.memory import TORCH_DTYPES, MemoryPlanError, plan
+from minillm.loader import TORCH_DTYPES, load_model
+from minillm.memory import MemoryPlanError, plan
 from minillm.sampling import SamplingParams
 
 

@@ -142,3 +142,12 @@ def test_config_rejects_bad_shapes():
     with pytest.raises(ValueError, match="multiple"):
         ModelConfig(name="x", model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=8,
                     num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4, max_position_embeddings=8)
+
+
+def test_config_rejects_sliding_window_attention():
+    hf = {"model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 32768,
+          "sliding_window": 4096}
+    with pytest.raises(ValueError, match="sliding-window"):
+        ModelConfig.from_dict(hf)
+    assert ModelConfig.from_dict({**hf, "sliding_window": None}).num_kv_heads == 2
