@@ -26,7 +26,9 @@ from minillm.config import load_config
 from minillm.hardware import describe_device, measure_seconds, probe_device, resolve_device
 from minillm.kv_cache import ContiguousKVCache
 from minillm.loader import TORCH_DTYPES, load_model, torch_dtype
+from minillm.kernels import default_backend, paged_decode_attention, store_kv
 from minillm.model import Transformer
+from minillm.paging import KVCacheManager
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECORD_KEYS = ("kind", "params", "environment", "results")
@@ -276,6 +278,85 @@ def _common_options() -> argparse.ArgumentParser:
     return common
 
 
+def paged_decode_batch(cfg, seq_lens, block_size: int, dtype, device, seed: int = 0):
+    """One layer's decode batch on a paged cache (chapter 分页的 KV cache): blocks handed out
+    round-robin as the requests grow, so each request's blocks are scattered over the pool, and K/V
+    written through ``store_kv``. Returns (q, k_cache, v_cache, block_tables, seq_lens)."""
+    blocks_needed = [ledger.ceil_div(n, block_size) for n in seq_lens]
+    kv = KVCacheManager(sum(blocks_needed), block_size, enable_prefix_caching=False)
+    for step in range(max(blocks_needed)):
+        for i, n in enumerate(seq_lens):
+            if step < blocks_needed[i]:
+                kv.allocate(str(i), min(n, (step + 1) * block_size))
+    shape = (kv.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    k_cache = torch.zeros(shape, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    slots = torch.tensor([s for i, n in enumerate(seq_lens) for s in kv.slot_mapping(str(i), 0, n)],
+                         dtype=torch.int64, device=device)
+    k, v = (torch.randn(len(slots), cfg.num_kv_heads, cfg.head_dim, generator=generator,
+                        device=device, dtype=dtype) for _ in range(2))
+    store_kv(k, v, k_cache, v_cache, slots, backend=default_backend(k))
+    tables = torch.zeros(len(seq_lens), max(blocks_needed), dtype=torch.int32)
+    for i, count in enumerate(blocks_needed):
+        tables[i, :count] = torch.tensor(kv.block_table(str(i)))
+    q = torch.randn(len(seq_lens), cfg.num_heads, cfg.head_dim, generator=generator, device=device,
+                    dtype=dtype)
+    return q, k_cache, v_cache, tables.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device)
+
+
+def gather_contiguous(k_cache, v_cache, block_tables, ctx: int):
+    """The same context copied out of the pages into contiguous ``[B, n_kv, ctx, d]`` K and V."""
+    blocks = block_tables[:, :ledger.ceil_div(ctx, k_cache.shape[1])].long()
+    return [cache[blocks].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous() for cache in (k_cache, v_cache)]
+
+
+def contiguous_decode_attention(q, k, v, scale: float):
+    """The baseline: one query token per sequence over contiguous K/V, PyTorch SDPA with GQA."""
+    return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale,
+                                                            enable_gqa=True)[:, :, 0]
+
+
+def bench_paged_decode(model_name: str, device=None, dtype=None, batch: int = 16,
+                       contexts=(1024, 4096, 16384), block_size: int = 16, repeats: int = 5) -> dict:
+    """One layer's paged decode attention (Triton on CUDA, the torch reference on the CPU) against
+    contiguous SDPA on the same K/V: time and achieved bandwidth (K/V bytes read / time)."""
+    cfg = load_config(model_name)
+    contexts = _check_sizes("contexts", contexts, cfg.max_position_embeddings)
+    for name, value in (("batch", batch), ("block_size", block_size), ("repeats", repeats)):
+        _check_count(name, value)
+    device = resolve_device(device)
+    dtype = torch_dtype(dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    probe = probe_device(device, dtype).as_dict()
+    backend, scale, points = ("triton" if device.type == "cuda" else "torch"), cfg.head_dim ** -0.5, []
+    for ctx in contexts:
+        q, k_cache, v_cache, tables, lens = paged_decode_batch(cfg, [ctx] * batch, block_size, dtype, device, ctx)
+        k, v = gather_contiguous(k_cache, v_cache, tables, ctx)
+        paged = measure_seconds(lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale,
+                                                               backend=backend), device, repeats, warmup=2)
+        contiguous = measure_seconds(lambda: contiguous_decode_attention(q, k, v, scale), device, repeats,
+                                     warmup=2)
+        nbytes = 2 * batch * ctx * cfg.kv_size * k_cache.element_size()
+        median = statistics.median(paged)
+        points.append({"backend": backend, "batch": batch, "ctx": ctx, "block_size": block_size,
+                       "kv_bytes": nbytes, "seconds": paged, "median_s": median,
+                       "contiguous_seconds": contiguous, "contiguous_median_s": statistics.median(contiguous),
+                       "achieved_bandwidth": nbytes / median,
+                       "fraction_of_probed_bandwidth": nbytes / median / probe["copy_bandwidth"]})
+        del q, k_cache, v_cache, k, v
+    return {"model": {"name": cfg.name, "dtype": str(dtype).removeprefix("torch.")}, "probe": probe,
+            "points": points}
+
+
+def format_paged_decode(results: dict) -> str:
+    """The paged decode attention sweep as a readable table."""
+    lines = [f"{'ctx':>7} {'paged us':>9} {'SDPA us':>9} {'GB/s':>8} {'of probe':>8}"]
+    for p in results["points"]:
+        lines.append(f"{p['ctx']:>7,} {p['median_s'] * 1e6:>9.1f} {p['contiguous_median_s'] * 1e6:>9.1f} "
+                     f"{p['achieved_bandwidth'] / 1e9:>8,.1f} {p['fraction_of_probed_bandwidth']:>8.0%}")
+    return "\n".join(lines)
+
+
 def add_cli(subparsers) -> argparse._SubParsersAction:
     """Register ``bench prefill|decode`` on the ``python -m minillm`` subparsers.
 
@@ -294,11 +375,18 @@ def add_cli(subparsers) -> argparse._SubParsersAction:
     decode.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     decode.add_argument("--steps", type=int, default=10, help="timed steps per point")
     decode.set_defaults(func=run_cli)
+    paged = commands.add_parser("paged-decode", parents=[common],
+                                help="one layer's paged decode attention against contiguous SDPA")
+    paged.add_argument("--batch", type=int, default=16)
+    paged.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    paged.add_argument("--block-size", type=int, default=16)
+    paged.add_argument("--repeats", type=int, default=5)
+    paged.set_defaults(func=run_cli)
     return commands
 
 
 def run_cli(args) -> int:
-    """Run ``bench prefill`` or ``bench decode``, print the table, write the record if ``--out``."""
+    """Run ``bench prefill``, ``decode`` or ``paged-decode``, print the table, write the record if ``--out``."""
     try:
         device = resolve_device(args.device)
         params = {"model": args.model, "device": str(device), "dtype": args.dtype}
@@ -306,6 +394,12 @@ def run_cli(args) -> int:
             params.update(lengths=args.lengths, repeats=args.repeats)
             results = bench_prefill(args.model, device, args.dtype, args.lengths, args.repeats)
             print(format_prefill(results))
+        elif args.bench_command == "paged-decode":
+            params.update(batch=args.batch, contexts=args.contexts, block_size=args.block_size,
+                          repeats=args.repeats)
+            results = bench_paged_decode(args.model, device, args.dtype, args.batch, args.contexts,
+                                         args.block_size, args.repeats)
+            print(format_paged_decode(results))
         else:
             params.update(batches=args.batches, contexts=args.contexts, steps=args.steps)
             results = bench_decode(args.model, device, args.dtype, args.batches, args.contexts,
