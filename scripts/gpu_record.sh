@@ -102,6 +102,9 @@ if [ "$QUICK" = 0 ]; then
     "${MHA_DECODE[@]}" --out "$OUTDIR/$GPU-decode-mha.json"
 fi
 # The 24 GiB card of chapter 6, emulated on this one by the planner (memory.py).
+# Chapter 7: one layer's paged decode attention (Triton) against contiguous SDPA.
+step paged-decode 120 "$PY" -m minillm bench paged-decode --model "$MODEL" --device cuda --dtype bf16 \
+  --out "$OUTDIR/$GPU-paged-decode$SUFFIX.json"
 # Chapter 8: minillm vs transformers generate() on a ~0.5 B model shape, one run, both printed.
 step throughput 240 "$PY" -m minillm bench throughput --model qwen2.5-0.5b --device cuda \
   --out "$OUTDIR/$GPU-throughput$SUFFIX.json"

@@ -152,3 +152,20 @@ def test_out_of_memory_point_is_recorded_not_fatal(fixed_probe, monkeypatch):
     assert oom["error"] == "out of memory" and "seconds" not in oom
     assert oom["estimate"]["bytes"] > ok["estimate"]["bytes"]
     assert "out of memory" in bench.format_decode(results)
+
+
+def test_paged_decode_sweep_matches_contiguous_attention(fixed_probe):
+    cfg = load_config("tiny")
+    q, k_cache, v_cache, tables, lens = bench.paged_decode_batch(cfg, [37, 37], 8, torch.float32, "cpu")
+    assert tables.shape == (2, 5) and len(set(tables.flatten().tolist())) == 10  # scattered blocks
+    k, v = bench.gather_contiguous(k_cache, v_cache, tables, 37)
+    from minillm.kernels import paged_decode_attention
+    scale = cfg.head_dim ** -0.5
+    torch.testing.assert_close(paged_decode_attention(q, k_cache, v_cache, tables, lens, scale),
+                               bench.contiguous_decode_attention(q, k, v, scale))
+    results = bench.bench_paged_decode("tiny", "cpu", "fp32", batch=2, contexts=[16, 40], block_size=8,
+                                       repeats=2)
+    for point, ctx in zip(results["points"], [16, 40]):
+        assert point["ctx"] == ctx and point["backend"] == "torch" and len(point["seconds"]) == 2
+        assert point["kv_bytes"] == 2 * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * 4
+        assert point["fraction_of_probed_bandwidth"] == pytest.approx(point["kv_bytes"] / point["median_s"] / 10e9)
