@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.minillm-installed
-want=$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(.venv/bin/python -c 'import hashlib, sys; print(hashlib.sha256(open("requirements.txt", "rb").read() + open("pyproject.toml", "rb").read()).hexdigest())')
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet -r requirements.txt
