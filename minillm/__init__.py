@@ -1,15 +1,19 @@
-"""minillm: the small, readable LLM inference engine of the minillm-book."""
-from minillm.generate import generate
-from minillm.loader import load_model
-from minillm.sampling import SamplingParams
+"""minillm: the small, readable LLM inference engine of the minillm-book.
 
+``minillm.engine`` is the engine (torch); ``minillm.lab`` is the measurement kit the book's labs use
+(the ledger, probes, benchmarks, records, diagnosis, plots); ``minillm.server`` serves the engine
+over HTTP. The five public names load lazily, so ``import minillm.lab.estimate`` needs no torch.
+"""
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "generate", "load_model"]
+
+_HOMES = {"LLM": "minillm.engine.llm", "LLMEngine": "minillm.engine.engine",
+          "SamplingParams": "minillm.engine.sampling", "generate": "minillm.engine.generate",
+          "load_model": "minillm.engine.loader"}
 
 
 def __getattr__(name):
-    """``LLM`` and ``LLMEngine`` load the whole engine, so they are imported on first use."""
-    if name in ("LLM", "LLMEngine"):
-        from minillm import engine
+    if name in _HOMES:
+        import importlib
 
-        return getattr(engine, name)
+        return getattr(importlib.import_module(_HOMES[name]), name)
     raise AttributeError(f"module 'minillm' has no attribute {name!r}")

@@ -1,12 +1,12 @@
-"""``python -m minillm estimate|plan|generate|bench|diagnose ...``"""
+"""``python -m minillm estimate|plan|generate|bench|diagnose ...``: the one command line."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from minillm import estimate as ledger
-from minillm.config import load_config
+from minillm.engine.config import load_config
+from minillm.lab import estimate as ledger
 
 
 class CLIError(Exception):
@@ -22,7 +22,7 @@ def _model_config(name):
 
 def _estimate_rows(cfg, args):
     """The ledger as (label, value) rows, values already formatted."""
-    from minillm.hardware import lookup_gpu
+    from minillm.lab.gpus import lookup_gpu
 
     gpu = lookup_gpu(args.gpu) if args.gpu else None
     memory = args.gpu_memory or (f"{gpu.memory_bytes}" if gpu else "24GiB")
@@ -40,16 +40,16 @@ def _estimate_rows(cfg, args):
         rows.append((f"attention FLOPs per token @ctx {ctx:,}",
                      f"{ledger.attention_flops_per_token(cfg, ctx) / 1e9:,.3f} GFLOP"))
         rows.append((f"KV per request @ctx {ctx:,}", f"{ledger.kv_bytes(cfg, ctx, args.dtype) / ledger.GiB:,.3f} GiB"))
-    rows.append(("GPU", f"{gpu.name if gpu else 'assumed'}: {budget.gpu_memory / ledger.GiB:,.2f} GiB, "
+    rows.append(("GPU", f"{gpu.name if gpu else 'assumed'}: {budget.total_bytes / ledger.GiB:,.2f} GiB, "
                         f"{bandwidth / 1e9:,.0f} GB/s"))
-    rows.append((f"usable at util {args.util}", f"{budget.usable / ledger.GiB:,.2f} GiB"))
+    rows.append((f"usable at util {args.util}", f"{budget.budget_bytes / ledger.GiB:,.2f} GiB"))
     if not budget.weights_fit:
         rows.append(("left after weights", "weights alone do not fit"))
         return rows
-    rows.append(("left after weights", f"{budget.left / ledger.GiB:,.2f} GiB"))
+    rows.append(("left after weights", f"{budget.kv_budget_bytes / ledger.GiB:,.2f} GiB"))
     rows.append(("KV tokens that fit (upper bound)", ledger.fmt_int(budget.tokens)))
     for ctx in args.ctx:
-        rows.append((f"concurrent requests @ctx {ctx:,}", f"{budget.concurrent_requests(ctx):,.1f}"))
+        rows.append((f"concurrent requests @ctx {ctx:,}", f"{budget.requests_at(ctx):,.1f}"))
     for batch in args.batch:
         for ctx in args.ctx:
             step = ledger.decode_step(cfg, batch, ctx, bandwidth, args.dtype)
@@ -70,9 +70,7 @@ def cmd_estimate(args) -> int:
     if args.json:
         print(json.dumps(dict(rows), ensure_ascii=False, indent=2))
     else:
-        width = max(len(label) for label, _ in rows)
-        for label, value in rows:
-            print(f"{label:<{width}}  {value}")
+        _print_rows(rows)
     return 0
 
 
@@ -99,6 +97,29 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """Print the plan; exit code 2 with a one-line reason when it does not fit."""
+    from minillm.engine.planner import plan
+
+    try:
+        result = plan(args.model, device=args.device, dtype=args.dtype, gpu_memory=args.gpu_memory,
+                      gpu_memory_utilization=args.util, block_size=args.block_size,
+                      max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_num_seqs=args.max_num_seqs, memory_limit=args.memory_limit)
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+    else:
+        _print_rows(result.rows())
+    return 0
+
+
+def _print_rows(rows: list[tuple[str, str]]) -> None:
+    width = max(len(label) for label, _ in rows)
+    print("\n".join(f"{label:<{width}}  {value}" for label, value in rows))
+
+
 def _ints(text):
     try:
         values = [int(v) for v in text.split(",")]
@@ -122,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--dtype", default="bf16", choices=sorted(ledger.DTYPE_BYTES))
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
     est.set_defaults(func=cmd_estimate)
+    from minillm.engine.loader import TORCH_DTYPES
+
     gen = commands.add_parser("generate", help="generate from one prompt with the engine")
     gen.add_argument("--model", required=True, help="directory with config.json (+ weights), preset or hub id")
     gen.add_argument("--prompt", help="prompt text (needs a tokenizer in the model folder)")
@@ -136,10 +159,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-kv-blocks", type=int, default=256, help="KV blocks of 16 tokens (default 256)")
     gen.add_argument("--max-model-len", type=int, help="longest request (default: what the pool holds)")
     gen.set_defaults(func=cmd_generate)
-    from minillm import bench, bench_throughput, diagnose, memory
+    pln = commands.add_parser("plan", help="where a card's memory goes: weights, activations, KV blocks")
+    pln.add_argument("--model", required=True, help="preset name or directory with config.json")
+    pln.add_argument("--gpu-memory", help="dry run for a card you do not have, e.g. 24GiB, 80GB")
+    pln.add_argument("--memory-limit", help="profile this device as a card of this size, e.g. 512MiB "
+                                            "(required on the CPU)")
+    pln.add_argument("--device", help="cpu or cuda (default: $MINILLM_DEVICE, else CUDA if present)")
+    pln.add_argument("--util", type=float, default=0.92, help="gpu_memory_utilization (default 0.92)")
+    pln.add_argument("--max-model-len", type=int, help="default: the model's max positions; -1: the "
+                                                       "longest that fits")
+    pln.add_argument("--block-size", type=int, default=16)
+    pln.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                     help="tokens of the largest step, profiled (default 2048)")
+    pln.add_argument("--max-num-seqs", type=int, default=256)
+    pln.add_argument("--dtype", choices=sorted(TORCH_DTYPES), help="default: the model's")
+    pln.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pln.set_defaults(func=cmd_plan)
+    from minillm.lab import bench, bench_host, bench_plan, bench_throughput, diagnose
 
-    bench_throughput.add_cli(bench.add_cli(commands))
-    memory.add_cli(commands)
+    bench_commands = bench.add_cli(commands)
+    bench_host.add_cli(bench_commands)
+    bench_throughput.add_cli(bench_commands)
+    bench_plan.add_cli(bench_commands)
     diagnose.add_cli(commands)
     return parser
 

@@ -4,9 +4,10 @@
 #   scripts/gpu_record.sh [--quick] [--install] [OUTDIR]
 #
 # Writes JSON records <gpu>-prefill.json, <gpu>-decode.json, <gpu>-decode-mha.json (the same shape
-# with as many KV heads as query heads) and <gpu>-plan-24gib.json (the memory plan of a 24 GiB card,
-# emulated on this one), plus gpu_record.log, into OUTDIR (default: $OUT if set, else
-# data/measurements). --quick: fewer points, "-quick" in the file names.
+# with as many KV heads as query heads), <gpu>-paged-decode.json, <gpu>-throughput.json,
+# <gpu>-host.json and <gpu>-plan-24gib.json (the memory plan of a 24 GiB card, emulated on this
+# one), plus gpu_record.log, into OUTDIR (default: $OUT if set, else data/measurements): at most 8
+# files. --quick: fewer points (no MHA sweep), "-quick" in the file names.
 # Packages: installed from requirements.txt only when torch/triton/safetensors are missing, or
 # with --install; minillm runs from this checkout (PYTHONPATH), so no network is needed otherwise.
 # Each benchmark is its own command with its own time limit: one failure loses only its record.
@@ -63,7 +64,7 @@ MHA_DIR="$MHA_TMP/llama-3.1-8b-mha"
 mkdir -p "$MHA_DIR"
 "$PY" - "$MHA_DIR" <<'EOF'
 import json, sys
-from minillm.config import PRESETS_DIR
+from minillm.engine.config import PRESETS_DIR
 config = json.load(open(PRESETS_DIR / "llama-3.1-8b" / "config.json"))
 config["num_key_value_heads"] = config["num_attention_heads"]  # MHA: one KV head per query head
 json.dump(config, open(sys.argv[1] + "/config.json", "w"), indent=1)
@@ -72,7 +73,9 @@ EOF
 if [ "$QUICK" = 1 ]; then
   PREFILL=(--lengths 512 2048 --repeats 3)
   DECODE=(--batches 1 16 --contexts 1024 --steps 10)
+  THROUGHPUT=(--scale 0.25)
 else
+  THROUGHPUT=()
   PREFILL=(--lengths 128 256 512 1024 2048 4096 8192 --repeats 5)
   DECODE=(--batches 1 2 4 8 16 32 64 128 --contexts 512 1024 4096 8192 --steps 20)
 fi
@@ -107,9 +110,11 @@ step paged-decode 120 "$PY" -m minillm bench paged-decode --model "$MODEL" --dev
   --out "$OUTDIR/$GPU-paged-decode$SUFFIX.json"
 # Chapter 8: minillm vs transformers generate() on a ~0.5 B model shape, one run, both printed.
 step throughput 240 "$PY" -m minillm bench throughput --model qwen2.5-0.5b --device cuda \
-  --out "$OUTDIR/$GPU-throughput$SUFFIX.json"
+  "${THROUGHPUT[@]}" --out "$OUTDIR/$GPU-throughput$SUFFIX.json"
+# Chapter 4: the engine's own time per decode step, launches, eager vs CUDA graphs for the 8B shape.
+step host 150 "$PY" -m minillm bench host --device cuda --out "$OUTDIR/$GPU-host$SUFFIX.json"
 if [ "$QUICK" = 1 ]; then PLAN_CONTEXTS=(--contexts 1024); else PLAN_CONTEXTS=(); fi
-step plan-24gib 300 "$PY" scripts/gpu_plan_record.py --out "$OUTDIR/$GPU-plan-24gib$SUFFIX.json" \
+step plan-24gib 300 "$PY" -m minillm bench plan --device cuda --out "$OUTDIR/$GPU-plan-24gib$SUFFIX.json" \
   "${PLAN_CONTEXTS[@]}"
 
 log "$FAILED step(s) failed; records in $OUTDIR"

@@ -1,6 +1,15 @@
-"""Shared fixtures."""
+"""Shared fixtures, and how Triton runs: compiled on a GPU, under its interpreter without one.
+
+Triton reads TRITON_INTERPRET once, when it is first imported; conftest is imported before any
+test module (and so before anything imports minillm and, through it, Triton).
+"""
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")

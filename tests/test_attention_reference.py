@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from minillm.kernels import reference
+from minillm.engine.kernels import reference
 
 N_HEADS, N_KV, D, BLOCK = 6, 2, 8, 4
 
@@ -24,8 +24,9 @@ def _paged_setup(seq_lens, generator):
     blocks_per_seq = [-(-n // BLOCK) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
     order = torch.randperm(num_blocks, generator=generator).tolist()
-    k_cache = torch.full((num_blocks, BLOCK, N_KV, D), float("nan"))  # unwritten slots hold NaN
-    v_cache = torch.full_like(k_cache, float("nan"))
+    # unwritten slots hold garbage (finite, as in the engine's caches): it must be masked out
+    k_cache = 1e4 * torch.randn(num_blocks, BLOCK, N_KV, D, generator=generator)
+    v_cache = 1e4 * torch.randn(num_blocks, BLOCK, N_KV, D, generator=generator)
     tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
     contexts = []
     for i, n in enumerate(seq_lens):

@@ -1,17 +1,13 @@
 """Recorded benchmarks: the record's keys, the sweeps on the tiny preset, the CLI."""
 import argparse
-import json
-import socket
-from datetime import datetime
 
 import pytest
 import torch
 
-from minillm import bench
-from minillm import estimate as ledger
-from minillm.config import load_config
-from minillm.hardware import DeviceProbe
-from minillm.report import load_records
+from minillm.engine.config import load_config
+from minillm.lab import bench, records
+from minillm.lab import estimate as ledger
+from minillm.lab.hardware import DeviceProbe
 
 FIXED_PROBE = DeviceProbe(device="cpu", copy_bandwidth=10e9, matmul_flops=100e9,
                           matmul_dtype="torch.float32")
@@ -21,35 +17,6 @@ FIXED_PROBE = DeviceProbe(device="cpu", copy_bandwidth=10e9, matmul_flops=100e9,
 def fixed_probe(monkeypatch):
     """Known ceilings, so the estimates in the results can be checked exactly."""
     monkeypatch.setattr(bench, "probe_device", lambda device, dtype: FIXED_PROBE)
-
-
-def test_environment_record():
-    env = bench.environment_record("cpu")
-    assert env["device"]["type"] == "cpu" and env["device"]["name"]
-    assert env["device"]["memory_bytes"] > 0
-    for key in ("torch", "triton", "transformers", "python", "git_commit", "date"):
-        assert env[key], key
-    assert datetime.fromisoformat(env["date"]).utcoffset().total_seconds() == 0
-    hostname = socket.gethostname()
-    if len(hostname) >= 4:
-        assert hostname not in json.dumps(env)
-
-
-def test_git_commit_can_be_given(monkeypatch):
-    monkeypatch.setenv("MINILLM_GIT_COMMIT", "abc123")
-    assert bench.git_commit() == "abc123"
-    assert bench.environment_record("cpu")["git_commit"] == "abc123"
-
-
-def test_write_record(tmp_path):
-    path = tmp_path / "sub" / "x.json"
-    record = bench.write_record(path, "prefill", {"model": "tiny"}, {"points": [1.5]},
-                                {"device": "cpu"})
-    with open(path) as f:
-        assert json.load(f) == record
-    assert tuple(record) == bench.RECORD_KEYS
-    with pytest.raises(ValueError, match="kind"):
-        bench.write_record(path, "", {}, {}, {})
 
 
 def test_prefill_sweep_on_tiny(fixed_probe):
@@ -118,14 +85,14 @@ def test_cli_writes_a_record_the_book_can_read(tmp_path, capsys):
                  "--contexts", "8", "--steps", "2", "--out", str(out)])
     assert code == 0
     assert "record written" in capsys.readouterr().out
-    [record] = load_records("decode", tmp_path)
-    assert set(bench.RECORD_KEYS) <= set(record)
-    assert record["params"] == {"model": "tiny", "device": "cpu", "dtype": None, "batches": [1, 2],
-                                "contexts": [8], "steps": 2}
-    probe = record["results"]["probe"]
+    [record] = records.find("decode", device="cpu", directory=tmp_path, model="tiny")
+    assert record.params == {"model": "tiny", "device": "cpu", "dtype": None, "batches": [1, 2],
+                             "contexts": [8], "steps": 2}
+    probe = record.results["probe"]
     assert probe["copy_bandwidth"] > 0 and probe["matmul_flops"] > 0
     assert probe["ridge_point"] == pytest.approx(probe["matmul_flops"] / probe["copy_bandwidth"])
-    assert [p["batch"] for p in record["results"]["points"]] == [1, 2]
+    assert [p["batch"] for p in record.points()] == [1, 2] and [p["batch"] for p in record.points(batch=2)] == [2]
+    assert records.find("decode", directory=tmp_path) == []  # a CPU record is not a GPU record
 
 
 def test_cli_error_is_one_line(tmp_path, capsys):
@@ -157,9 +124,10 @@ def test_out_of_memory_point_is_recorded_not_fatal(fixed_probe, monkeypatch):
 def test_paged_decode_sweep_matches_contiguous_attention(fixed_probe):
     cfg = load_config("tiny")
     q, k_cache, v_cache, tables, lens = bench.paged_decode_batch(cfg, [37, 37], 8, torch.float32, "cpu")
-    assert tables.shape == (2, 5) and len(set(tables.flatten().tolist())) == 10  # scattered blocks
+    assert tables.shape == (2, 5) and len(set(tables.flatten().tolist())) == 10  # every block its own
+    assert tables[0].tolist() == [0, 2, 4, 6, 8]  # handed out round-robin: scattered over the pool
     k, v = bench.gather_contiguous(k_cache, v_cache, tables, 37)
-    from minillm.kernels import paged_decode_attention
+    from minillm.engine.kernels import paged_decode_attention
     scale = cfg.head_dim ** -0.5
     torch.testing.assert_close(paged_decode_attention(q, k_cache, v_cache, tables, lens, scale),
                                bench.contiguous_decode_attention(q, k, v, scale))
@@ -169,3 +137,17 @@ def test_paged_decode_sweep_matches_contiguous_attention(fixed_probe):
         assert point["ctx"] == ctx and point["backend"] == "torch" and len(point["seconds"]) == 2
         assert point["kv_bytes"] == 2 * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * 4
         assert point["fraction_of_probed_bandwidth"] == pytest.approx(point["kv_bytes"] / point["median_s"] / 10e9)
+
+
+def test_host_bench_splits_each_step_into_engine_and_model_time():
+    from minillm.lab import bench_host
+
+    result = bench_host.bench_host("cpu", batch=8, ctx=48, steps=3)
+    assert len(result["step_seconds"]) == len(result["engine_seconds"]) == 3
+    for wall, model, engine in zip(result["step_seconds"], result["model_seconds"], result["engine_seconds"]):
+        assert 0 < model < wall and engine == pytest.approx(wall - model)
+    launches = result["launches"]
+    assert launches["per_layer"] > 0 and launches["model"] == "llama-3.1-8b"
+    assert launches["per_step"] == launches["outside_layers"] + 32 * launches["per_layer"]
+    assert "graphs" not in result  # eager vs CUDA graphs is timed on CUDA only
+    assert "the engine's own Python per step" in bench_host.format_host(result)

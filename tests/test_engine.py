@@ -1,10 +1,11 @@
 """The engine (chapters 一次请求的一生 and 调度): the schedule changes when tokens are computed,
 never which. Greedy outputs in float64 on the CPU must equal one-request-at-a-time
-``minillm.generate`` under preemption (both modes), chunking, prefix hits, static batches and
+``minillm.engine.generate`` under preemption (both modes), chunking, prefix hits, static batches and
 aborts, and every KV block must return to the pool."""
 import functools
 import json
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -12,12 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minillm
-from minillm.config import load_config
-from minillm.engine import LLM, LLMEngine
-from minillm.loader import load_model
-from minillm.memory import plan
-from minillm.metrics import SLO
-from minillm.sampling import SamplingParams
+from minillm import LLM, LLMEngine
+from minillm.engine.config import load_config
+from minillm.engine.loader import load_model
+from minillm.engine.planner import plan
+from minillm.engine.sampling import SamplingParams
+from minillm.lab import records
+from minillm.lab.metrics import SLO
 
 CONFIG = load_config("tiny").replace(name="tiny-test", num_layers=2, hidden_size=64,
                                      intermediate_size=128, num_heads=4, num_kv_heads=2,
@@ -72,7 +74,16 @@ def run_and_check(llm, prompts, params):
         assert out.token_ids == reference(prompt, p)
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+    check_counters(stats)
     return outputs, stats
+
+
+def check_counters(stats):
+    """Every run total equals the sum of the steps' decisions it was made from."""
+    steps = stats["steps"]
+    assert stats["num_preemptions"] == sum(len(s["preempted"]) for s in steps)
+    assert stats["prefix_hit_tokens"] == sum(s["num_cached_tokens"] for s in steps)
+    assert stats["prompt_tokens"] == sum(s["num_prefill_tokens"] for s in steps)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -102,9 +113,24 @@ def test_prefix_hits_skip_prefill_and_outputs_do_not_change():
     prompts = [FAMILIES[1][:40], FAMILIES[1][:33], FAMILIES[1][:47] + [5]]
     params = [greedy(6)] * 3
     llm = LLM(tiny_model(), block_size=4, num_kv_blocks=64, max_num_seqs=1)
-    _, stats = run_and_check(llm, prompts, params)
-    assert stats["prefix_hit_tokens"] >= 32 + 40
+    outputs, stats = run_and_check(llm, prompts, params)
+    assert [o.num_cached_tokens for o in outputs] == [0, 32, 40]
+    assert stats["prefix_hit_tokens"] == 32 + 40
     assert stats["num_cached_blocks"] > 0
+
+
+def test_prefix_hit_counts_agree_under_preemption():
+    """Requests retried under memory pressure look their prompt up again: the run's counters, the
+    steps' decisions and the requests' own counts still agree."""
+    prompts = [FAMILIES[1][:24 + i] for i in range(8)]
+    params = [greedy(10)] * 8
+    llm = LLM(tiny_model(), block_size=4, num_kv_blocks=24)
+    outputs, stats = run_and_check(llm, prompts, params)
+    assert stats["num_preemptions"] > 0 and stats["prefix_hit_tokens"] > 0
+    assert sum(o.num_cached_tokens for o in outputs) <= stats["prefix_hit_tokens"]
+    record = records.run_record(llm)
+    assert sum(r["num_cached_tokens"] for r in record["requests"]) == sum(o.num_cached_tokens for o in outputs)
+    assert sum(r["num_preemptions"] for r in record["requests"]) == stats["num_preemptions"]
 
 
 @pytest.mark.parametrize("scheduling", ["continuous", "static"])
@@ -179,6 +205,7 @@ def test_greedy_outputs_do_not_depend_on_the_schedule(data, block_size, budget, 
     stats = engine.stats()
     assert stats["num_free_blocks"] == stats["num_kv_blocks"] == num_blocks
     assert stats["num_running"] == stats["num_waiting"] == 0
+    check_counters(stats)
 
 
 def test_streaming_and_timestamps():
@@ -266,7 +293,7 @@ def test_pool_and_max_model_len_must_agree():
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(tiny_model(), block_size=4, num_kv_blocks=4, max_model_len=17)
     llm = LLM(tiny_model(), block_size=4, num_kv_blocks=4)
-    assert llm.scheduler.max_model_len == 16
+    assert llm.config.max_model_len == 16
 
 
 def test_generate_checks_params_and_arrivals():
@@ -290,7 +317,7 @@ def test_online_replay_adds_requests_at_their_arrival_times():
     assert len(llm.stats()["steps"]) >= 2
 
 
-def test_stats_and_metrics_record(tmp_path):
+def test_stats_and_run_record(tmp_path):
     prompts, params = mixed_workload(count=5, seed=6)
     llm = LLM(tiny_model(), block_size=4, num_kv_blocks=20)
     llm.generate(prompts, params, use_tqdm=False)
@@ -302,7 +329,7 @@ def test_stats_and_metrics_record(tmp_path):
     assert sum(s["num_prefill_tokens"] + s["num_decode_tokens"] for s in steps) == \
         sum(n for s in steps for _, n in s["scheduled"])
     assert all(s["batch_size"] == len(s["scheduled"]) and s["start"] <= s["end"] for s in steps)
-    path = llm.save_metrics(tmp_path / "run.json", slo=SLO(ttft=10.0, tpot=10.0))
+    path = records.save_run(llm, tmp_path / "run.json", slo=SLO(ttft=10.0, tpot=10.0))
     record = json.loads(path.read_text())
     assert record["format"] == "minillm-run-metrics"
     assert record["model"]["num_layers"] == 2 and record["engine"]["num_kv_blocks"] == 20
@@ -311,7 +338,7 @@ def test_stats_and_metrics_record(tmp_path):
     assert record["memory"]["kv_cache_bytes"] == 20 * 4 * 2 * 2 * CONFIG.kv_size * 8
     # a new generate() starts a new run
     llm.generate(prompts[:1], params[:1], use_tqdm=False)
-    assert len(llm.metrics_record()["requests"]) == 1
+    assert len(records.run_record(llm)["requests"]) == 1
 
 
 def test_the_planner_sizes_the_pool_when_num_kv_blocks_is_none():
@@ -320,6 +347,30 @@ def test_the_planner_sizes_the_pool_when_num_kv_blocks_is_none():
     expected = plan(tiny_model(), block_size=16, memory_limit="64MiB", max_num_batched_tokens=256,
                     max_model_len=512)
     assert llm.stats()["num_kv_blocks"] == expected.num_blocks
-    assert llm.scheduler.max_model_len == 512
+    assert llm.config.max_model_len == 512
     prompts, params = mixed_workload(count=3, seed=7)
     run_and_check(llm, prompts, params)
+
+
+def test_padded_decode_graphs_give_the_same_tokens():
+    """Off CUDA a decode graph runs eagerly on its padded buffers: the padding logic is the GPU's."""
+    from minillm.engine.decode_graph import DecodeGraph, graph_sizes
+
+    prompts, params = mixed_workload(count=11, seed=8)
+    eager = LLM(tiny_model(), block_size=4, num_kv_blocks=256, enforce_eager=True)
+    padded = LLM(tiny_model(), block_size=4, num_kv_blocks=256, cuda_graph_sizes=(1, 2, 4, 8))
+    runs = Counter()
+    run = DecodeGraph.run
+
+    def counted(graph, input_ids, positions, attn):
+        runs[graph.size, len(input_ids)] += 1
+        return run(graph, input_ids, positions, attn)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DecodeGraph, "run", counted)
+        expected = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+        assert [o.token_ids for o in padded.generate(prompts, params, use_tqdm=False)] == expected
+    assert runs and all(size >= batch and size in (1, 2, 4, 8) for size, batch in runs)
+    assert any(size > batch for size, batch in runs)  # some steps were padded
+    assert not LLM(tiny_model(), block_size=4, num_kv_blocks=16).runner.decode_graphs.sizes  # CPU default
+    assert graph_sizes(20) == [1, 2, 4, 8, 16, 20] and graph_sizes(1) == [1]

@@ -1,11 +1,10 @@
 """Every figure of DESIGN.md's "Figures the seeds derive", recomputed by the ledger."""
-import dataclasses
 import json
 
 import pytest
 
-from minillm.config import ModelConfig, load_config
-from minillm.estimate import (GB, GiB, KiB, attention_flops_per_token, decode_step, fmt_int,
+from minillm.engine.config import ModelConfig, load_config
+from minillm.lab.estimate import (GB, GiB, KiB, attention_flops_per_token, decode_step, fmt_int,
                               kv_bytes, kv_bytes_per_token, matmul_flops_per_token,
                               matmul_param_count, memory_budget, paged_waste_tokens, param_count,
                               parse_size, preallocation_waste, prefill, ridge_point, weight_bytes)
@@ -59,18 +58,21 @@ def test_kv_per_token_and_per_request(llama8b):
 
 def test_24gib_budget(llama8b):
     budget = memory_budget(llama8b, "24GiB", 0.92)
-    assert round(budget.usable / GiB, 2) == 22.08
-    assert round(budget.left / GiB, 2) == 7.12
-    assert fmt_int(budget.tokens) == "58,347"
-    assert [round(budget.concurrent_requests(c), 1) for c in (1024, 4096, 8192)] == [57.0, 14.2, 7.1]
-    assert kv_bytes(llama8b, 131072) > budget.left  # a full-length request cannot fit
+    assert round(budget.budget_bytes / GiB, 2) == 22.08
+    assert round(budget.kv_budget_bytes / GiB, 2) == 7.12
+    assert fmt_int(budget.token_capacity) == "58,347" and budget.tokens == 58_347
+    assert [round(budget.requests_at(c), 1) for c in (1024, 4096, 8192)] == [57.0, 14.2, 7.1]
+    assert [budget.concurrent_requests(c) for c in (1024, 4096, 8192)] == [56, 14, 7]  # whole requests
+    assert kv_bytes(llama8b, 131072) > budget.kv_budget_bytes  # a full-length request cannot fit
+    assert budget.source == "ledger" and budget.activation_peak_bytes == budget.other_bytes == 0
 
 
 def test_mha_variant_same_leftover(llama8b):
     budget = memory_budget(llama8b, "24GiB", 0.92)
     mha = llama8b.replace(num_kv_heads=llama8b.num_heads)
-    mha_budget = dataclasses.replace(budget, kv_bytes_per_token=kv_bytes_per_token(mha))
-    assert fmt_int(mha_budget.tokens) == "14,587"
+    mha_budget = memory_budget(llama8b, "24GiB", 0.92, kv_config=mha)
+    assert mha_budget.kv_budget_bytes == budget.kv_budget_bytes  # same weights, same leftover
+    assert fmt_int(mha_budget.token_capacity) == "14,587" and mha_budget.tokens == 14_586
     assert decode_step(mha, 1, 1024, TB_S).kv_intensity == 1.0
 
 
@@ -124,8 +126,8 @@ def test_parse_size_and_errors():
 
 
 def test_prefill_crossover_sits_near_the_ridge(llama8b):
-    from minillm.estimate import prefill_crossover
-    from minillm.hardware import lookup_gpu
+    from minillm.lab.estimate import prefill_crossover
+    from minillm.lab.gpus import lookup_gpu
     h100 = lookup_gpu("H100 SXM")
     n = prefill_crossover(llama8b, h100.bf16_flops, h100.bandwidth)
     assert n == 316

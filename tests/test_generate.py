@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from minillm import SamplingParams, generate, load_model
-from minillm.config import load_config
+from minillm.engine.config import load_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 9, 200, 3], [17], [250, 1, 2, 3, 4, 5, 6, 7, 8]]

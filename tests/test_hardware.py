@@ -2,9 +2,12 @@
 import pytest
 import torch
 
-from minillm import hardware
-from minillm.hardware import (GIB, describe_device, gpu_specs, lookup_gpu, measure_seconds,
-                              pick_device, probe_copy_bandwidth, probe_device, probe_matmul_flops)
+from minillm.engine.device import pick_device
+from minillm.engine.units import GiB
+from minillm.lab import hardware
+from minillm.lab.gpus import gpu_specs, lookup_gpu
+from minillm.lab.hardware import (describe_device, measure_seconds, probe_copy_bandwidth, probe_device,
+                                  probe_matmul_flops)
 
 EXPECTED_GPUS = ["RTX 4090", "RTX 3090", "A10", "L4", "L40S", "A100 40GB SXM", "A100 80GB SXM",
                  "H100 SXM", "H100 PCIe", "H200"]
@@ -24,7 +27,7 @@ def test_datasheet_numbers_the_book_quotes():
     assert lookup_gpu("H100 SXM").bandwidth == 3350e9
     h200 = lookup_gpu("H200")
     assert (h200.memory_gib, h200.bandwidth_gb_s) == (141, 4800)
-    assert lookup_gpu("RTX 4090").memory_bytes == 24 * GIB
+    assert lookup_gpu("RTX 4090").memory_bytes == 24 * GiB
 
 
 def test_units_and_ridge_point():

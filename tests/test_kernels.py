@@ -1,21 +1,20 @@
-"""The Triton kernels against the torch reference, run on the CPU by Triton's interpreter.
+"""The Triton kernels against the torch reference: compiled on a GPU, else run on the CPU by
+Triton's interpreter (``conftest.py`` sets TRITON_INTERPRET=1 when there is no GPU)."""
+import pytest
+import torch
 
-TRITON_INTERPRET must be set before Triton is first imported, so it is set here, at the top.
-"""
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from minillm.kernels import reference, triton_attention  # noqa: E402
+from minillm.engine.kernels import reference, triton_attention
 
 if not triton_attention.INTERPRET and not torch.cuda.is_available():
-    pytest.skip("Triton was imported without TRITON_INTERPRET=1 and there is no GPU",
+    pytest.skip("no GPU, and Triton was imported without TRITON_INTERPRET=1",
                 allow_module_level=True)
 DEVICE = "cpu" if triton_attention.INTERPRET else "cuda"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def finite(cache):
+    """The reference reads (and masks) unused slots, so it needs them finite; the kernels never read them."""
+    return cache.nan_to_num(0.0)
 
 
 def paged_context(seq_lens, block_size, num_kv_heads, head_dim, dtype, seed=0):
@@ -63,7 +62,7 @@ def test_decode_matches_reference(block_size, head_dim, num_kv_heads, group, dty
     scale = head_dim ** -0.5
     out = triton_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale,
                                                   num_splits=num_splits)
-    expected = reference.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale)
+    expected = reference.paged_decode_attention(q, finite(k_cache), finite(v_cache), block_tables, lens, scale)
     assert out.dtype == q.dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
@@ -78,6 +77,16 @@ def test_decode_splits_agree_with_one_pass():
                                                     num_splits=5)
     torch.testing.assert_close(split, one, atol=1e-5, rtol=1e-5)
     assert not split.isnan().any()
+
+
+def test_decode_splits_into_at_most_max_splits():
+    """The merge reads MAX_SPLITS pieces; asking for more must not lose any."""
+    k_cache, v_cache, block_tables, lens = paged_context([4200], 64, 1, 64, torch.float32)
+    q = torch.randn(1, 2, 64, device=DEVICE)
+    out = triton_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125,
+                                                  num_splits=2 * triton_attention.MAX_SPLITS)
+    expected = reference.paged_decode_attention(q, finite(k_cache), finite(v_cache), block_tables, lens, 0.125)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 # block_size, head_dim, num_kv_heads, group, cache dtype, new tokens per seq, cached prefix per seq
@@ -103,7 +112,7 @@ def test_prefill_matches_reference(block_size, head_dim, num_kv_heads, group, dt
     scale = head_dim ** -0.5
     out = triton_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                    lens, scale)
-    expected = reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+    expected = reference.paged_prefill_attention(q, finite(k_cache), finite(v_cache), block_tables, cu_seqlens_q,
                                                   lens, scale)
     assert out.dtype == q.dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -130,14 +139,14 @@ def test_random_shapes_match_reference(seed):
     q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     out = triton_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale,
                                                   num_splits=pick([None, 2, 3]))
-    expected = reference.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale)
+    expected = reference.paged_decode_attention(q, finite(k_cache), finite(v_cache), block_tables, lens, scale)
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
     cu_seqlens_q = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32).to(DEVICE)
     q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     out = triton_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                    lens, scale)
-    expected = reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+    expected = reference.paged_prefill_attention(q, finite(k_cache), finite(v_cache), block_tables, cu_seqlens_q,
                                                   lens, scale)
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 

@@ -6,9 +6,9 @@ import torch
 from safetensors.torch import save_file
 
 from minillm import load_model
-from minillm.config import PRESETS_DIR, load_config
-from minillm.estimate import param_count
-from minillm.model import RMSNorm
+from minillm.engine.config import PRESETS_DIR, load_config
+from minillm.lab.estimate import param_count
+from minillm.engine.model import RMSNorm
 
 
 def test_preset_without_weights_says_use_random():

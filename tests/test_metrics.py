@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minillm.metrics import SLO, RequestMetrics, distribution, goodput, percentile, summarize
+from minillm.lab.metrics import SLO, RequestMetrics, distribution, goodput, percentile, summarize
 
 
 def finished(arrival, scheduled, token_times, prompt=10):

@@ -7,7 +7,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from minillm import SamplingParams, generate, load_model
-from minillm.kv_cache import ContiguousKVCache
+from minillm.engine.contiguous_cache import ContiguousKVCache
 
 SHAPE = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
@@ -54,8 +54,8 @@ def _flat_logits(model, prompts, split=None):
     for step in range(len(chunks[0])):
         rows = [r for r in range(len(prompts)) if chunks[r][step]]
         tokens = [chunks[r][step] for r in rows]
-        positions, attn = cache.prepare_step(rows, [len(t) for t in tokens])
-        hidden = model(torch.tensor(sum(tokens, [])), positions, attn, cache.layer_caches())
+        positions, attn = cache.append(rows, [len(t) for t in tokens])
+        hidden = model(torch.tensor(sum(tokens, [])), positions, attn, cache.layer_caches)
         out = model.compute_logits(hidden)
         for i, r in enumerate(rows):
             logits[r].append(out[attn.cu_seqlens_q[i]:attn.cu_seqlens_q[i + 1]])
@@ -79,8 +79,8 @@ def test_config_features(checkpoint):
 def test_llama3_rope_scaling_covers_all_bands():
     import math
 
-    from minillm.config import load_config
-    from minillm.model import rope_inv_freq
+    from minillm.engine.config import load_config
+    from minillm.engine.model import rope_inv_freq
 
     scaled_cfg = load_config("tiny").replace(head_dim=16, rope_theta=500000.0,
                                              rope_scaling=dict(LLAMA3_ROPE))

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.paging import (BlockPool, HashPrefixIndex, KVCacheManager, RadixPrefixIndex,
+from minillm.engine.paging import (BlockPool, HashPrefixIndex, KVCacheManager, RadixPrefixIndex,
                             full_blocks)
 
 INDEXES = ["hash", "radix"]
@@ -46,16 +46,22 @@ def test_pool_rejects_double_free_and_unknown_blocks():
 
 
 # -- block tables ----------------------------------------------------------------------------------
+def slots(kv, request_id, start, end):
+    """Flat cache slots of token positions [start, end): table[p // size] * size + p % size."""
+    table, size = kv.block_table(request_id), kv.block_size
+    return [table[p // size] * size + p % size for p in range(start, end)]
+
+
 def test_allocate_grows_the_block_table_and_maps_slots():
     kv = KVCacheManager(8, 4)
     assert kv.allocate("a", 5)
     assert kv.block_table("a") == [0, 1]
-    assert kv.slot_mapping("a", 3, 5) == [3, 4]
+    assert slots(kv, "a", 3, 5) == [3, 4]
     assert kv.allocate("b", 1)
     assert kv.allocate("a", 9)
     assert kv.block_table("a") == [0, 1, 3]
-    assert kv.slot_mapping("a", 7, 9) == [7, 12]
-    assert kv.slot_mapping("a", 4, 4) == []
+    assert slots(kv, "a", 7, 9) == [7, 12]
+    assert slots(kv, "a", 4, 4) == []
     assert (kv.num_used_blocks, kv.num_free_blocks) == (4, 4)
     assert kv.utilization() == pytest.approx((9 + 1) / (4 * 4))
 
@@ -80,7 +86,7 @@ def test_bad_calls_raise_clear_errors():
     with pytest.raises(ValueError, match="prefix_index"):
         KVCacheManager(4, 4, prefix_index="trie")
     for call in (lambda: kv.free("x"), lambda: kv.block_table("x"),
-                 lambda: kv.slot_mapping("x", 0, 1), lambda: kv.commit("x", [1])):
+                 lambda: kv.num_tokens("x"), lambda: kv.commit("x", [1])):
         with pytest.raises(KeyError, match="unknown request 'x'"):
             call()
     assert kv.allocate("a", 6)
@@ -88,8 +94,6 @@ def test_bad_calls_raise_clear_errors():
         kv.allocate("a", 5)
     with pytest.raises(ValueError, match="match_prefix comes first"):
         kv.match_prefix("a", [1, 2, 3])
-    with pytest.raises(ValueError, match="outside"):
-        kv.slot_mapping("a", 4, 7)
     with pytest.raises(ValueError, match="holds slots for 6"):
         kv.commit("a", list(range(7)))
     with pytest.raises(ValueError, match="empty"):
@@ -120,8 +124,6 @@ def test_a_shared_prompt_is_computed_once(index):
     assert kv.block_table("b")[2] != kv.block_table("a")[2]
     assert kv.num_used_blocks == 4  # two shared blocks counted once
     assert kv.pool.ref_counts[kv.block_table("a")[0]] == 2
-    assert (kv.prefix_hit_tokens, kv.prefix_query_tokens) == (8, 20)
-    assert kv.prefix_hit_rate == pytest.approx(0.4)
     assert kv.utilization() == pytest.approx((8 + 2 + 2) / (4 * 4))
 
 
@@ -283,7 +285,7 @@ class Workload:
             assert before == (self.kv.block_table(request_id), self.kv.num_free_blocks,
                               self.kv.num_cached_blocks)
             return
-        for position, slot in enumerate(self.kv.slot_mapping(request_id, start, start + num_new), start):
+        for position, slot in enumerate(slots(self.kv, request_id, start, start + num_new), start):
             block = slot // BLOCK_SIZE
             assert self.kv.pool.ref_counts[block] == 1 and block not in (self.kv.index or ())
             self.slot_content[slot] = tuple(tokens[:position + 1])
@@ -298,7 +300,7 @@ class Workload:
             holders.update(table)
             computed = self.computed[request_id]
             assert len(table) == -(-computed // BLOCK_SIZE)
-            for position, slot in enumerate(kv.slot_mapping(request_id, 0, computed)):
+            for position, slot in enumerate(slots(kv, request_id, 0, computed)):
                 assert self.slot_content[slot] == tuple(tokens[:position + 1])
         assert kv.pool.ref_counts == [holders[b] for b in range(kv.num_blocks)]
         assert kv.num_used_blocks == len(holders)
@@ -356,7 +358,6 @@ def test_hash_and_radix_find_the_same_prefixes_when_nothing_is_evicted(ops):
             workload.apply(op, seed)
     hashed, radix = workloads
     assert hashed.hits == radix.hits
-    assert hashed.kv.prefix_hit_tokens == radix.kv.prefix_hit_tokens
     assert hashed.kv.num_cached_blocks == radix.kv.num_cached_blocks
 
 

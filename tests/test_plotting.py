@@ -8,7 +8,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib import font_manager  # noqa: E402
 
-from minillm.plotting import CJK_FONT_FILE, cjk_font_path, use_book_style  # noqa: E402
+from minillm.lab.plotting import CJK_FONT_FILE, cjk_font_path, use_book_style  # noqa: E402
 
 
 def _missing_glyph_warnings() -> list[str]:

@@ -1,7 +1,7 @@
 """The radix-tree prefix index on its own: match, insert, split, lock, LRU eviction of leaves."""
 import pytest
 
-from minillm.paging import RadixPrefixIndex
+from minillm.engine.paging import RadixPrefixIndex
 
 BS = 2
 A = [1, 1, 2, 2, 3, 3]  # three blocks

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from minillm.sampling import SamplingParams, make_generator, sample
+from minillm.engine.sampling import SamplingParams, make_generator, sample
 
 
 @pytest.mark.parametrize("field, value", [

@@ -9,18 +9,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.paging import KVCacheManager
-from minillm.sampling import SamplingParams
-from minillm.scheduler import Request, RequestStatus, Scheduler, StaticBatchScheduler
+from minillm.engine.engine_config import EngineConfig
+from minillm.engine.paging import KVCacheManager
+from minillm.engine.request import Request, RequestStatus
+from minillm.engine.sampling import SamplingParams
+from minillm.engine.scheduler import SCHEDULERS
 
 EOS = 2
 TOKEN = 7  # what the fake model samples unless told otherwise
 
 
-def make(num_blocks=64, block_size=4, static=False, **kwargs):
-    kv = KVCacheManager(num_blocks, block_size)
-    kwargs.setdefault("max_model_len", num_blocks * block_size)
-    return (StaticBatchScheduler if static else Scheduler)(kv, **kwargs)
+def make(num_blocks=64, block_size=4, static=False, num_cpu_blocks=0, eos_token_ids=(),
+         prefix_caching=True, **settings):
+    """A scheduler over a pool of ``num_blocks`` blocks; ``settings`` are EngineConfig's."""
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    settings.setdefault("max_model_len", num_blocks * block_size)
+    config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks,
+                          scheduling="static" if static else "continuous", **settings)
+    return SCHEDULERS[config.scheduling](kv, config, eos_token_ids)
 
 
 _fresh_tokens = itertools.count(1000, 1000)
@@ -46,13 +52,16 @@ def step(scheduler, token=lambda r: TOKEN):
     return out
 
 
-def run(scheduler, token=lambda r: TOKEN, max_steps=10_000):
-    """Steps until every request finished: list of [(request_id, num_new_tokens), ...] per step."""
+def run(scheduler, token=lambda r: TOKEN, max_steps=10_000, outputs=None):
+    """Steps until every request finished: list of [(request_id, num_new_tokens), ...] per step
+    (and each step's SchedulerOutput appended to ``outputs``)."""
     log = []
     while scheduler.has_unfinished():
         out = step(scheduler, token)
         assert out.scheduled, "no progress"
         log.append([(r.request_id, n) for r, n in out.scheduled])
+        if outputs is not None:
+            outputs.append(out)
         assert len(log) < max_steps
     return log
 
@@ -116,7 +125,7 @@ def test_preempt_recompute_takes_the_newest_and_requeues_it_first():
     log = run(s)
     # new is recomputed with its generated token: 8 prompt + 1 output in one piece
     assert ("new", 9) in [entry for entries in log for entry in entries]
-    assert s.num_preemptions >= 1
+    assert new.num_preemptions >= 1
     assert s.kv.num_free_blocks == s.kv.num_blocks
 
 
@@ -158,11 +167,40 @@ def test_prefix_hit_skips_the_cached_blocks():
     s = make(block_size=4)
     s.add_request(req("first", 10, max_tokens=1, first_token=100))
     run(s)
-    s.add_request(req("second", 10, max_tokens=1, first_token=100))
+    second = req("second", 10, max_tokens=1, first_token=100)
+    s.add_request(second)
     out = step(s)
     # two full blocks (8 tokens) are cached; only the last 2 prompt tokens are computed
     assert [(r.request_id, n) for r, n in out.scheduled] == [("second", 2)]
-    assert s.prefix_hit_tokens == 8
+    assert (out.num_cached_tokens, out.num_prefix_queries, second.num_cached_tokens) == (8, 10, 8)
+
+
+@pytest.mark.parametrize("settings, stop", [
+    (dict(max_num_batched_tokens=6), "token_budget"),
+    (dict(max_num_seqs=1), "max_num_seqs"),
+    (dict(num_blocks=2, max_model_len=8), "kv_pool"),
+    (dict(max_num_seqs=1, static=True), "max_num_seqs"),
+])
+def test_the_scheduler_says_why_requests_wait(settings, stop):
+    s = make(**{"block_size": 4, **settings})
+    s.add_request(req("a", 6, max_tokens=3))
+    s.add_request(req("b", 2, max_tokens=3))
+    out = s.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["a"]
+    assert (out.admission_stop, out.num_waiting, out.num_running) == (stop, 1, 1)
+    assert (out.num_prefill_tokens, out.num_decode_tokens) == (6, 0)
+
+
+def test_static_batch_reason_and_decode_count():
+    s = make(block_size=4, static=True, max_num_seqs=2)
+    for name in "abc":
+        s.add_request(req(name, 2, max_tokens=4))
+    step(s)
+    out = s.schedule()
+    assert out.admission_stop == "max_num_seqs" and out.num_decode_tokens == 2
+    s.update(out, {r.request_id: TOKEN for r, _ in out.scheduled})
+    s.abort("b")
+    assert s.schedule().admission_stop == "static_batch"  # a room is free, but the batch is not done
 
 
 def test_static_batch_takes_no_one_until_the_batch_is_done():
@@ -214,15 +252,8 @@ def test_requests_that_can_never_run_are_rejected_when_added(request_, match):
     assert not s.has_unfinished()
 
 
-def test_bad_settings_are_rejected():
-    kv = KVCacheManager(4, 4)
-    with pytest.raises(ValueError, match="max_model_len"):
-        Scheduler(kv, max_model_len=17)  # the pool holds 16 tokens
-    with pytest.raises(ValueError, match="preemption_mode"):
-        Scheduler(kv, max_model_len=16, preemption_mode="drop")
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        Scheduler(kv, max_model_len=16, max_num_seqs=0)
-    s = Scheduler(kv, max_model_len=16)
+def test_a_request_id_is_used_once():
+    s = make(num_blocks=4, block_size=4)
     s.add_request(req("a", 2))
     with pytest.raises(ValueError, match="already in use"):
         s.add_request(req("a", 2))
@@ -263,11 +294,10 @@ def test_every_request_finishes_with_the_same_tokens_and_every_block_returns(
     if not chunked:
         budget = max(budget, max(p for p, _, _ in specs))
     num_blocks = data.draw(st.integers(-(-longest // block_size), 2 * -(-longest // block_size)))
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    s = (StaticBatchScheduler if static else Scheduler)(
-        kv, max_model_len=num_blocks * block_size, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget, enable_chunked_prefill=chunked, preemption_mode=mode,
-        num_cpu_blocks=num_blocks)
+    s = make(num_blocks, block_size, static, num_cpu_blocks=num_blocks, prefix_caching=prefix_caching,
+             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+             preemption_mode=mode)
+    kv = s.kv
     requests = []
     for i, (prompt_len, max_tokens, family) in enumerate(specs):
         requests.append(req(str(i), prompt_len, max_tokens, first_token=100 * family))
@@ -277,8 +307,10 @@ def test_every_request_finishes_with_the_same_tokens_and_every_block_returns(
         return (int(r.request_id) * 31 + r.num_tokens) % 50 + 10
 
     computed = {r.request_id: 0 for r in requests}
+    num_preemptions = 0
     while s.has_unfinished():
         out = step(s, token)
+        num_preemptions += len(out.preempted)
         assert out.scheduled, "no progress"
         assert out.num_batched_tokens <= budget
         assert len(out.scheduled) <= max_num_seqs
@@ -291,7 +323,7 @@ def test_every_request_finishes_with_the_same_tokens_and_every_block_returns(
         expected = [(int(r.request_id) * 31 + r.num_prompt_tokens + k) % 50 + 10
                     for k in range(r.params.max_tokens)]
         assert r.output_token_ids == expected
-    assert s.num_preemptions == sum(r.num_preemptions for r in requests)
+    assert num_preemptions == sum(r.num_preemptions for r in requests)
     assert kv.num_free_blocks == num_blocks
     if s.cpu_kv is not None:
         assert s.cpu_kv.num_free_blocks == num_blocks

@@ -5,13 +5,13 @@ import statistics
 import pytest
 import torch
 
-from minillm.bench_throughput import (_hf_batch, _transformers_model, bench_throughput,
+from minillm.lab.bench_throughput import (_hf_batch, _transformers_model, bench_throughput,
                                       format_throughput)
-from minillm.config import load_config, resolve_model_dir
-from minillm.engine import LLM
-from minillm.loader import load_model
-from minillm.sampling import SamplingParams
-from minillm.workload import (Workload, chat_workload, contract_workload, lognormal_lengths,
+from minillm.engine.config import load_config, resolve_model_dir
+from minillm import LLM
+from minillm.engine.loader import load_model
+from minillm.engine.sampling import SamplingParams
+from minillm.lab.workload import (Workload, chat_workload, contract_workload, lognormal_lengths,
                               make_workload, poisson_arrivals, random_prompts, throughput_workload,
                               uniform_lengths, uniform_workload)
 

@@ -1,0 +1,141 @@
+"""The model's shape, read from a Hugging Face ``config.json`` (all chapters). Pure Python.
+
+One ``ModelConfig`` covers the four families the book runs: Llama 2 / 3.x (llama3 RoPE scaling),
+Qwen2 / 2.5 (q/k/v biases, tied embeddings), Qwen3 (q/k RMSNorm, explicit ``head_dim``) and
+Mistral. Presets are folders ``data/models/<name>/config.json`` holding the public configs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "data" / "models"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the engine and the ledger need to know about a decoder-only transformer."""
+
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # biases on q/k/v projections (Qwen2)
+    o_bias: bool = False  # bias on the output projection (Llama's attention_bias=True)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{self.name}: {field} must be positive, got {getattr(self, field)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.name}: num_attention_heads ({self.num_heads}) must be a "
+                             f"multiple of num_key_value_heads ({self.num_kv_heads})")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def gqa_ratio(self) -> int:
+        """Query heads per KV head (1 = MHA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with some fields changed, e.g. ``cfg.replace(num_kv_heads=cfg.num_heads)`` for MHA."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, hf: dict, name: str = "model") -> "ModelConfig":
+        """Read a Hugging Face ``config.json`` dictionary."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"{name}: model_type {model_type!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"{name}: rope_type {rope_type!r} is not supported (default, llama3)")
+        window = hf.get("sliding_window")
+        uses_window = model_type == "mistral" or hf.get("use_sliding_window", False)
+        if uses_window and window is not None and window < hf["max_position_embeddings"]:
+            raise ValueError(f"{name}: sliding-window attention (window {window}) is not supported; "
+                             f"minillm attends to the whole context")
+        attention_bias = bool(hf.get("attention_bias", False))
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            name=name,
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            max_position_embeddings=hf["max_position_embeddings"],
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope if rope_type == "llama3" else None,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type == "qwen2" else attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
+        )
+
+
+def preset_names() -> list[str]:
+    """Names of the presets shipped under ``data/models/``."""
+    return sorted(p.parent.name for p in PRESETS_DIR.glob("*/config.json"))
+
+
+def resolve_model_dir(model: str | Path) -> Path | None:
+    """The folder holding ``config.json`` for a directory or preset name; None if neither."""
+    path = Path(model)
+    if (path / "config.json").is_file():
+        return path
+    preset = PRESETS_DIR / str(model)
+    if (preset / "config.json").is_file():
+        return preset
+    return None
+
+
+def load_config(model: str | Path) -> ModelConfig:
+    """``ModelConfig`` from a directory with ``config.json`` or a preset name."""
+    folder = resolve_model_dir(model)
+    if folder is None:
+        raise ValueError(f"unknown model {str(model)!r}: not a directory with config.json nor a "
+                         f"preset (presets: {', '.join(preset_names())})")
+    with open(folder / "config.json") as f:
+        return ModelConfig.from_dict(json.load(f), name=Path(model).name)

@@ -1,0 +1,86 @@
+"""CUDA graphs for decode steps (chapter 解码), as vLLM and gpt-fast do.
+
+An eager decode step launches a few dozen kernels per layer, each paying the host's launch cost;
+at small batches the GPU waits for the host. A CUDA graph records one step's launches once and
+replays them with one call. A graph's tensors are fixed, so the runner captures one graph per
+batch size of a ladder (1, 2, 4, 8, 16, ...), pads each decode step to the next captured size,
+copies the step's inputs into that graph's buffers and replays it. Padding rows compute garbage
+that nobody reads: their K/V slot is -1 (not stored) and their context is one token.
+
+Off CUDA there is nothing to capture; a :class:`DecodeGraph` then runs the model eagerly on the
+same padded buffers, which is how the CPU tests check the padding.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from minillm.engine.attention_metadata import AttentionMetadata
+from minillm.engine.model import Transformer
+from minillm.engine.paged_cache import PagedKVCache
+
+
+def graph_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's ladder: 1, 2, 4, then every multiple of 8, up to ``max_num_seqs`` (itself included)."""
+    sizes = [size for size in (1, 2, 4, *range(8, max_num_seqs + 1, 8)) if size <= max_num_seqs]
+    return sorted({*sizes, max_num_seqs})
+
+
+class DecodeGraph:
+    """One decode step of ``size`` rows: the buffers it reads, and its graph when captured."""
+
+    def __init__(self, model: Transformer, kv_cache: PagedKVCache, size: int):
+        self.model, self.kv, self.size = model, kv_cache, size
+        # Static buffers, made the way every step's inputs are: each row a one-token sequence.
+        tables = torch.zeros(size, kv_cache.table_width, dtype=torch.int32)
+        self.input_ids, self.positions, self.attn = kv_cache.step_builder.build(
+            tables, [0] * size, [1] * size, kv_cache.block_size, [0] * size)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.hidden: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def capture(self, pool=None) -> None:
+        """Record the step (after one eager run, so every kernel is compiled and warm)."""
+        self._run_eagerly()
+        torch.cuda.synchronize(self.kv.device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.hidden = self._run_eagerly()
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of a decode step of at most ``size`` rows: copy in, pad, replay."""
+        batch, width = len(input_ids), attn.block_tables.shape[1]
+        self.input_ids[:batch].copy_(input_ids)
+        self.positions[:batch].copy_(positions)
+        self.attn.slot_mapping[:batch].copy_(attn.slot_mapping)
+        self.attn.slot_mapping[batch:].fill_(-1)  # padding rows store nothing ...
+        self.attn.seq_lens[:batch].copy_(attn.seq_lens)
+        self.attn.seq_lens[batch:].fill_(1)  # ... and read one slot
+        self.attn.block_tables[:batch, :width].copy_(attn.block_tables)
+        if self.graph is None:
+            return self._run_eagerly()[:batch]
+        self.graph.replay()
+        return self.hidden[:batch]
+
+    def _run_eagerly(self) -> torch.Tensor:
+        return self.model(self.input_ids, self.positions, self.attn, self.kv.layer_caches)
+
+
+class DecodeGraphs:
+    """The ladder of decode graphs; ``run`` pads a step to the smallest one that holds it."""
+
+    def __init__(self, model: Transformer, kv_cache: PagedKVCache, sizes: list[int]):
+        self.sizes = sorted(sizes)
+        self.graphs = {size: DecodeGraph(model, kv_cache, size) for size in self.sizes}
+        if kv_cache.device.type == "cuda":
+            pool = torch.cuda.graph_pool_handle()
+            for size in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
+                self.graphs[size].capture(pool)
+
+    def holds(self, batch: int) -> bool:
+        return bool(self.sizes) and batch <= self.sizes[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        size = self.sizes[bisect.bisect_left(self.sizes, len(input_ids))]
+        return self.graphs[size].run(input_ids, positions, attn)

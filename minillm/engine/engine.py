@@ -1,0 +1,197 @@
+"""The engine: requests in, tokens out (chapters 一次请求的一生 and 调度).
+
+``LLMEngine`` owns the model, the paged KV cache, the scheduler, the model runner and the recorder.
+Each :meth:`LLMEngine.step` is three calls: the scheduler decides which tokens to compute, the
+runner computes them and samples, the scheduler moves the requests along; the recorder writes
+down what happened. ``minillm.engine.llm.LLM`` is the offline front door.
+"""
+from __future__ import annotations
+
+import numbers
+import time
+
+import torch
+
+from minillm.engine.engine_config import EngineConfig
+from minillm.engine.kv_cache import kv_bytes_per_token
+from minillm.engine.loader import load_model
+from minillm.engine.model import Transformer
+from minillm.engine.model_runner import ModelRunner
+from minillm.engine.paged_cache import PagedKVCache
+from minillm.engine.planner import plan
+from minillm.engine.recorder import Recorder
+from minillm.engine.request import Request, RequestOutput
+from minillm.engine.sampling import SamplingParams
+from minillm.engine.scheduler import SCHEDULERS
+from minillm.engine.units import GiB
+
+SWAP_SPACE_BYTES = 4 * GiB  # default CPU pool for swap preemption (vLLM's swap_space default)
+
+
+class LLMEngine:
+    """add_request / step / abort: the serving loop one step at a time.
+
+    ``model``: a loaded ``Transformer``, or a folder / preset / hub id for ``load_model`` (with
+    ``device``, ``dtype``, ``weights``). The other keyword arguments are ``EngineConfig``'s, checked
+    before anything is loaded. ``num_kv_blocks=None``: ``minillm.engine.planner.plan`` sizes the
+    pool (on the CPU it needs ``memory_limit``). ``max_model_len=None``: the plan's, else as long as
+    the model's positions and the pool allow.
+    """
+
+    def __init__(self, model, device=None, dtype=None, weights: str = "auto", **engine_args):
+        config = EngineConfig(**engine_args)
+        self.model = _load(model, device, dtype, weights)
+        self.tokenizer = getattr(self.model, "tokenizer", None)
+        self.memory_plan = None
+        if config.num_kv_blocks is None:
+            self.memory_plan = plan(self.model, engine_config=config)
+            config = config.replace(num_kv_blocks=self.memory_plan.num_blocks,
+                                    max_model_len=self.memory_plan.max_model_len)
+        self.config = _resolve(config, self.model)
+        model_config = self.model.config
+        self.kv_cache = PagedKVCache(
+            model_config, self.config.num_kv_blocks, self.config.block_size, self.model.dtype,
+            self.model.device, enable_prefix_caching=self.config.enable_prefix_caching,
+            prefix_index=self.config.prefix_index, max_model_len=self.config.max_model_len,
+            num_cpu_blocks=self.config.num_cpu_blocks)
+        self.scheduler = SCHEDULERS[self.config.scheduling](
+            self.kv_cache.manager, self.config, model_config.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.config)
+        self.recorder = Recorder()
+        self._t0 = time.perf_counter()
+        self._next_id = 0
+        self._aborted: list[RequestOutput] = []  # reported by the next step()
+
+    def now(self) -> float:
+        """The engine's clock: seconds since the engine was built."""
+        return time.perf_counter() - self._t0
+
+    # -- requests in -----------------------------------------------------------------------------
+    def add_request(self, request_id, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a prompt (text, or token ids). ``arrival_time`` is on the engine clock
+        (:meth:`now`); default now. Invalid requests raise ``ValueError`` and change nothing."""
+        arrival = self.now() if arrival_time is None else arrival_time
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        token_ids = self._token_ids(prompt)
+        self.scheduler.check_request(str(request_id), len(token_ids))
+        request = Request(str(request_id), token_ids, params, arrival_time=arrival)
+        request.metrics.tokenized_time = self.now()
+        self.scheduler.add_request(request)
+        self.runner.add_generator(request.request_id, params.seed)
+
+    def _token_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but the model has no tokenizer: pass token ids")
+            return list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"prompt token ids must be ints, got {ids[:5]}...")
+        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.model.config.vocab_size}), "
+                             f"got {bad[:5]}")
+        return [int(t) for t in ids]
+
+    def next_request_id(self) -> str:
+        self._next_id += 1
+        return str(self._next_id - 1)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def abort(self, request_id, reason: str = "abort") -> None:
+        """Stop a request now; its final output comes with the next step. ``reason``: "abort", or
+        "stop" when a front end ends it on a stop string it found in the text."""
+        if reason not in ("abort", "stop"):
+            raise ValueError(f"reason must be 'abort' or 'stop', got {reason!r}")
+        request = self.scheduler.abort(str(request_id))
+        request.finish_reason = reason
+        self._retire(request, self.now())
+        self._aborted.append(self._output(request, []))
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample once; return an output for every request that got new tokens
+        or finished."""
+        outputs, self._aborted = self._aborted, []
+        if not self.scheduler.has_unfinished():
+            return outputs
+        start, free_before = self.now(), self.kv_cache.manager.num_free_blocks
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            raise RuntimeError("the scheduler made no progress although requests are unfinished")
+        sampled = self.runner.execute(scheduled)
+        finished = self.scheduler.update(scheduled, sampled)
+        end = self.now()
+        self.recorder.record_step(scheduled, sampled, start, end, free_before,
+                                  self.kv_cache.manager.num_free_blocks)
+        for request in finished:
+            self._retire(request, end)
+        return outputs + [self._output(r, [sampled[r.request_id]]) for r, _ in scheduled.scheduled
+                          if r.request_id in sampled]
+
+    def _retire(self, request: Request, when: float) -> None:
+        self.recorder.record_finish(request, when)
+        self.runner.drop_generator(request.request_id)
+
+    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+        text = None
+        if request.is_finished and self.tokenizer is not None:
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        return RequestOutput(request, new_token_ids, text)
+
+    # -- what happened -----------------------------------------------------------------------------
+    def reset_metrics(self) -> None:
+        """Start a new run of :meth:`stats` (the pool and the prefix cache stay as they are)."""
+        self.recorder.reset()
+
+    def stats(self) -> dict:
+        """Pool counters now, plus this run's counters and per-step log."""
+        kv = self.kv_cache.manager
+        return {
+            "num_kv_blocks": kv.num_blocks,
+            "block_size": kv.block_size,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_cached_blocks": kv.num_cached_blocks,
+            "num_used_blocks": kv.num_used_blocks,
+            "kv_utilization": kv.utilization(),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            **self.recorder.counters(),
+            "steps": self.recorder.steps,
+        }
+
+
+def _resolve(config: EngineConfig, model: Transformer) -> EngineConfig:
+    """The settings with every default decided and checked against the model and the pool."""
+    model_config = model.config
+    max_model_len = config.max_model_len
+    if max_model_len is None or max_model_len == -1:  # as long as the model and the pool allow
+        max_model_len = min(model_config.max_position_embeddings, config.pool_tokens)
+    if max_model_len > model_config.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={model_config.max_position_embeddings}")
+    if not 2 <= max_model_len <= config.pool_tokens:
+        raise ValueError(f"max_model_len must be in [2, {config.pool_tokens}] (the KV pool holds "
+                         f"{config.num_kv_blocks} blocks x {config.block_size} tokens), got {max_model_len}")
+    num_cpu_blocks = 0
+    if config.preemption_mode == "swap":  # default: the whole GPU pool, at most SWAP_SPACE_BYTES
+        bytes_per_block = config.block_size * kv_bytes_per_token(model_config, model.dtype)
+        num_cpu_blocks = (min(config.num_kv_blocks, SWAP_SPACE_BYTES // bytes_per_block)
+                          if config.num_cpu_blocks is None else config.num_cpu_blocks)
+    return config.replace(max_model_len=max_model_len, num_cpu_blocks=num_cpu_blocks)
+
+
+def _load(model, device, dtype, weights) -> Transformer:
+    """An already built Transformer as is, or load one (path, preset or hub id)."""
+    if isinstance(model, Transformer):
+        if device is not None and torch.device(device).type != model.device.type:
+            raise ValueError(f"device={device} but the given model is on {model.device}")
+        if dtype is not None and dtype != model.dtype:
+            raise ValueError(f"dtype={dtype} but the given model is {model.dtype}")
+        return model
+    return load_model(model, device=device, dtype=dtype, weights=weights)

@@ -1,0 +1,89 @@
+"""The engine's settings, validated once (chapters 一张 24 GiB 的卡放 8B 模型, 分页的 KV cache, 调度).
+
+``LLM(...)`` and ``LLMEngine(...)`` take these as keyword arguments and build one ``EngineConfig``;
+the planner, the scheduler and the model runner all read that object and check nothing again.
+Pure Python, so a bad setting is refused before torch allocates anything.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass
+
+from minillm.engine.units import parse_size
+
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULINGS = ("continuous", "static")
+PREFIX_INDEXES = ("hash", "radix")
+
+
+def check_positive_int(name: str, value) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine uses the card and schedules requests (vLLM's names and defaults)."""
+
+    block_size: int = 16  # token slots per KV block
+    num_kv_blocks: int | None = None  # None: the planner sizes the pool from the card's memory
+    max_model_len: int | None = None  # longest request; None: what the plan or model allows; -1: the longest that fits
+    max_num_seqs: int = 256  # requests running at once
+    max_num_batched_tokens: int = 2048  # tokens one step may compute (the token budget)
+    gpu_memory_utilization: float = 0.92  # share of the card the engine may use
+    memory_limit: int | None = None  # plan as if the card had this many bytes (text like "24GiB" accepted)
+    enable_prefix_caching: bool = True
+    prefix_index: str = "hash"  # "hash" (vLLM's block-hash chain) or "radix" (SGLang's radix tree)
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap"
+    num_cpu_blocks: int | None = None  # swap pool; None: as large as the GPU pool, at most 4 GiB
+    scheduling: str = "continuous"  # or "static", the baseline of chapter 调度
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16, ... on CUDA
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            check_positive_int(name, getattr(self, name))
+        if self.num_kv_blocks is not None:
+            check_positive_int("num_kv_blocks (or None for the planner)", self.num_kv_blocks)
+        if self.max_model_len is not None and self.max_model_len != -1:
+            check_positive_int("max_model_len (or -1 for the longest that fits, or None)",
+                               self.max_model_len)
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(
+                self.gpu_memory_utilization, numbers.Real) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.memory_limit is not None:
+            try:
+                object.__setattr__(self, "memory_limit", parse_size(self.memory_limit))
+            except ValueError as err:
+                raise ValueError(f"memory_limit: {err}") from None
+        if self.num_cpu_blocks is not None and (not isinstance(self.num_cpu_blocks, int)
+                                                or self.num_cpu_blocks < 0):
+            raise ValueError(f"num_cpu_blocks must be an int >= 0, got {self.num_cpu_blocks!r}")
+        if self.cuda_graph_sizes is not None:
+            object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
+            for size in self.cuda_graph_sizes:
+                check_positive_int("cuda_graph_sizes (each)", size)
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_choice("prefix_index", self.prefix_index, PREFIX_INDEXES)
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        check_choice("scheduling", self.scheduling, SCHEDULINGS)
+
+    def replace(self, **changes) -> "EngineConfig":
+        """A copy with some settings changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def pool_tokens(self) -> int:
+        """Token slots in the KV pool (once ``num_kv_blocks`` is known)."""
+        if self.num_kv_blocks is None:
+            raise ValueError("num_kv_blocks is not set yet: the planner decides it")
+        return self.num_kv_blocks * self.block_size

@@ -1,0 +1,90 @@
+"""Plain-PyTorch attention over a paged KV cache (chapters 解码 and 分页的 KV cache).
+
+The correctness reference for the Triton kernels and the path the CPU runs. A layer's cache is
+``k_cache, v_cache`` of shape ``[num_blocks, block_size, n_kv, d]``; token position ``p`` of
+sequence ``i`` lives in block ``block_tables[i, p // block_size]`` at offset ``p % block_size``.
+Attention gathers each sequence's context out of its blocks and runs
+``scaled_dot_product_attention`` in at least float32 (GQA: query head h reads KV head h // group).
+Unlike the Triton kernels, which never load a slot past a sequence's end, it may read (and mask)
+slots it does not use, so the caches must hold finite values.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Write the new tokens' K and V ``[T, n_kv, d]`` into flat cache slots (cast to the cache's
+    dtype); slot -1 is skipped."""
+    kept = (slot_mapping >= 0).nonzero().squeeze(1)
+    slots = slot_mapping.index_select(0, kept)
+    k_cache.flatten(0, 1).index_copy_(0, slots, k.index_select(0, kept).to(k_cache.dtype))
+    v_cache.flatten(0, 1).index_copy_(0, slots, v.index_select(0, kept).to(v_cache.dtype))
+
+
+def _gather_context(cache, block_tables, length: int):
+    """Positions 0..length-1 of every sequence, copied out of its blocks: ``[B, length, n_kv, d]``."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    # the first num_blocks blocks of each sequence (one block is cut to `length` before the copy)
+    blocks = cache[:, :min(block_size, length)].index_select(0, block_tables[:, :num_blocks].flatten())
+    return blocks.view(block_tables.shape[0], -1, *cache.shape[2:])[:, :length]
+
+
+def _attend(q, k, v, scale, mask=None, is_causal=False):
+    """Softmax attention of q ``[B, n_h, Lq, d]`` over k, v ``[B, n_kv, Lk, d]`` in >= float32."""
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)
+    out = F.scaled_dot_product_attention(q.to(compute_dtype), k.to(compute_dtype),
+                                         v.to(compute_dtype), attn_mask=mask,
+                                         is_causal=is_causal, scale=scale, enable_gqa=True)
+    return out.to(q.dtype)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    """One query token per sequence ``q [B, n_h, d]`` attends to its whole context -> ``[B, n_h, d]``.
+
+    The contexts are gathered into one batch padded to the longest; the padding is masked out.
+    What it reads there must be finite (0 * NaN is NaN), as everywhere in the engine's caches, which
+    start zeroed: zeroing the padding instead would cost another pass over all of K and V.
+    """
+    length = int(seq_lens.max())
+    k = _gather_context(k_cache, block_tables, length)
+    v = _gather_context(v_cache, block_tables, length)
+    past_end = torch.arange(length, device=q.device) >= seq_lens[:, None]
+    mask = ~past_end[:, None, None, :] if past_end.any() else None
+    out = _attend(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), scale, mask=mask)
+    return out[:, :, 0, :]
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+    """New tokens ``q [T, n_h, d]`` attend causally to themselves and fully to their cached prefix.
+
+    Query j of sequence i sits at position ``seq_lens[i] - q_len_i + j`` and sees cache positions
+    0 through that position. The sequences that add one token (the decodes of a mixed step) go
+    through one batched decode call; the others get one attention call each, so nothing is padded.
+    """
+    out = torch.empty_like(q)
+    starts = cu_seqlens_q.tolist()
+    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    single = [i for i, q_len in enumerate(q_lens) if q_len == 1]
+    if single:
+        rows = torch.tensor(single, device=q.device)
+        tokens = torch.tensor([starts[i] for i in single], device=q.device)
+        out[tokens] = paged_decode_attention(q[tokens], k_cache, v_cache, block_tables[rows],
+                                             seq_lens[rows], scale)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        if q_len == 1:
+            continue
+        k = _gather_context(k_cache, block_tables[i:i + 1], seq_len).transpose(1, 2)
+        v = _gather_context(v_cache, block_tables[i:i + 1], seq_len).transpose(1, 2)
+        q_i = q[start:end].transpose(0, 1)[None]
+        if q_len == seq_len:  # no cached prefix: plain causal attention
+            o = _attend(q_i, k, v, scale, is_causal=True)
+        else:  # the causal diagonal shifts right by the prefix length
+            visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q_len)
+            o = _attend(q_i, k, v, scale, mask=visible)
+        out[start:end] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,223 @@
+"""Building the model and filling in its weights (chapter 预填充).
+
+``load_model`` accepts a Hugging Face folder (``config.json`` + ``model.safetensors``, or shards
+listed in ``model.safetensors.index.json``), a preset name under ``data/models/`` (a config only),
+a hub id (downloaded when online) or a ``ModelConfig``. The model is first built on the meta
+device, which allocates nothing; then all its weights get one buffer on the target device, and
+each checkpoint tensor is read straight onto that device. ``weights="random"`` fills the real
+shape with small random values instead, so an 8B-shaped model can be timed on a GPU without its
+checkpoint and without ever holding a copy in CPU memory.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from minillm.engine.config import ModelConfig, load_config, preset_names, resolve_model_dir
+from minillm.engine.device import pick_device
+from minillm.engine.model import RMSNorm, Transformer
+
+WEIGHT_CHOICES = ("auto", "random")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+RANDOM_STD = 0.02  # the initializer_range of the Llama and Qwen configs
+HUGE_PAGE = 2 * 2**20
+MADV_HUGEPAGE = 14  # Linux's madvise advice number
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def load_model(model: str | Path | ModelConfig, device: torch.device | str | None = None,
+               dtype: torch.dtype | None = None, weights: str = "auto") -> Transformer:
+    """A ready ``Transformer`` (eval mode, no gradients) with ``.config`` and ``.tokenizer``.
+
+    device: default ``minillm.engine.device.pick_device()``. dtype: default the checkpoint's
+    ``torch_dtype`` on CUDA, float32 on the CPU. weights: ``"auto"`` loads the checkpoint and fails
+    when there is none; ``"random"`` builds the same shape with random values (seeded, so repeatable).
+    """
+    if weights not in WEIGHT_CHOICES:
+        raise ValueError(f"weights must be one of {WEIGHT_CHOICES}, got {weights!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    device = torch.device(device) if device is not None else pick_device()
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} asked for, but CUDA is not available here")
+    config, folder = _resolve(model, weights)
+    checkpoint = _checkpoint_tensors(folder) if weights == "auto" else {}
+    dtype = dtype if dtype is not None else _default_dtype(config, device)
+
+    with torch.device("meta"):
+        net = Transformer(config)
+    if weights == "auto":
+        _check_checkpoint(net, checkpoint, folder)
+    _allocate_weights(net.eval(), device, dtype)
+    with torch.no_grad():
+        if weights == "auto":
+            _copy_checkpoint(net, checkpoint, device)
+        else:
+            _init_random(net, device)
+    net.tokenizer = _load_tokenizer(folder)
+    return net
+
+
+def _resolve(model, weights: str) -> tuple[ModelConfig, Path | None]:
+    """The config and the folder holding it (None for a bare ModelConfig)."""
+    if isinstance(model, ModelConfig):
+        if weights == "auto":
+            raise ValueError(f"a ModelConfig ({model.name}) carries no weights: pass weights='random' "
+                             f"or a checkpoint folder")
+        return model, None
+    folder = resolve_model_dir(model)
+    if folder is not None:
+        return load_config(model), folder
+    folder = _download(str(model), weights)
+    return load_config(folder).replace(name=str(model)), folder
+
+
+def _download(repo_id: str, weights: str) -> Path:
+    """Fetch a hub repository's config, tokenizer and (for weights='auto') safetensors."""
+    where = f"not a folder with config.json, not a preset ({', '.join(preset_names())})"
+    if not _HUB_ID.fullmatch(repo_id):
+        raise ValueError(f"unknown model {repo_id!r}: {where}, nor a hub id like 'org/name'")
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise ValueError(f"model {repo_id!r} is {where}, and HF_HUB_OFFLINE is set, so it cannot "
+                         f"be downloaded from the Hugging Face Hub")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "tokenizer*"] + (["*.safetensors"] if weights == "auto" else [])
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as e:  # offline, unknown repository, gated model, ...
+        raise ValueError(f"model {repo_id!r} is {where}, and downloading it from the Hugging Face "
+                         f"Hub failed: {type(e).__name__}: {e}") from e
+
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32,
+                "fp64": torch.float64, "float64": torch.float64}
+
+
+def torch_dtype(dtype) -> torch.dtype | None:
+    """A torch dtype from a name (``"bf16"``, ``"float32"``) or a ``torch.dtype``; None stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
+    return TORCH_DTYPES[dtype]
+
+
+def _default_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
+    if device.type != "cuda":
+        return torch.float32
+    dtype = getattr(torch, config.torch_dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{config.name}: torch_dtype {config.torch_dtype!r} is not a floating "
+                         f"torch dtype; pass dtype=")
+    return dtype
+
+
+def _checkpoint_tensors(folder: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the shard index or the single file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            return {name: folder / file for name, file in json.load(f)["weight_map"].items()}
+    single = folder / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise ValueError(f"{folder} has no weights (no model.safetensors nor "
+                     f"model.safetensors.index.json; a preset holds only its config): load it "
+                     f"with weights='random' for random values at this shape")
+
+
+def _check_checkpoint(net: Transformer, checkpoint: dict[str, Path], folder: Path) -> None:
+    """Every parameter present with its shape, nothing unknown: checked before allocating."""
+    from safetensors import safe_open
+
+    expected = dict(net.named_parameters(remove_duplicate=False))
+    if net.config.tie_word_embeddings:
+        expected.pop("lm_head.weight")  # tied checkpoints usually leave it out
+    names = {name for name in checkpoint if not name.endswith("rotary_emb.inv_freq")}
+    unknown = sorted(names - expected.keys() - {"lm_head.weight"})
+    missing = sorted(expected.keys() - names)
+    if unknown or missing:
+        raise ValueError(f"{folder}: checkpoint does not match {net.config.model_type} "
+                         f"(missing {missing[:5]}, unexpected {unknown[:5]})")
+    for file in sorted(set(checkpoint.values())):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name in expected and tuple(f.get_slice(name).get_shape()) != expected[name].shape:
+                    raise ValueError(f"{file.name}: {name} has shape {f.get_slice(name).get_shape()}, "
+                                     f"the config says {tuple(expected[name].shape)}")
+
+
+def _copy_checkpoint(net: Transformer, checkpoint: dict[str, Path], device: torch.device) -> None:
+    """Read each tensor onto the device and copy it (cast to the model's dtype) into its parameter."""
+    from safetensors import safe_open
+
+    params = dict(net.named_parameters(remove_duplicate=False))
+    for file in sorted(set(checkpoint.values())):
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                if name in params:
+                    params[name].copy_(f.get_tensor(name))
+
+
+def _allocate_weights(net: Transformer, device: torch.device, dtype: torch.dtype) -> None:
+    """Give every parameter of the meta-built model its memory: slices of one buffer on ``device``.
+
+    One buffer, so that on a Linux CPU it can be backed by 2 MiB pages as a whole: a decode step
+    streams every weight once, and with 4 KiB pages the TLB misses eat into the memory bandwidth.
+    Each slice starts at a multiple of 64 elements. The values are left uninitialized.
+    """
+    params = list(net.named_parameters())  # a tied lm_head is listed once, as the embedding
+    starts, end = [], 0
+    for _, p in params:
+        starts.append(end)
+        end += -(-p.numel() // 64) * 64
+    buffer = torch.empty(end, dtype=dtype, device=device)
+    if device.type == "cpu" and sys.platform == "linux":
+        _ask_for_huge_pages(buffer)
+    for (name, p), start in zip(params, starts):
+        module_name, _, attr = name.rpartition(".")
+        weights = buffer[start:start + p.numel()].view(p.shape)
+        net.get_submodule(module_name).register_parameter(attr, nn.Parameter(weights, requires_grad=False))
+    net.tie_weights()
+
+
+def _ask_for_huge_pages(buffer: torch.Tensor) -> None:
+    """madvise(MADV_HUGEPAGE) on the 2 MiB-aligned part of ``buffer``, before it is first written:
+    Linux's transparent huge pages, in their usual "madvise" mode, back only ranges that ask."""
+    start = -(-buffer.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (buffer.data_ptr() + buffer.nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end > start:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
+
+
+def _init_random(net: Transformer, device: torch.device) -> None:
+    """Normal(0, 0.02) matrices and embeddings, zero biases, unit norms; seeded."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    for module in net.modules():
+        if isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(0.0, RANDOM_STD, generator=generator)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+
+
+def _load_tokenizer(folder: Path | None):
+    """The folder's transformers tokenizer, or None when it ships none (presets, bare configs)."""
+    if folder is None or not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)

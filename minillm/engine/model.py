@@ -1,0 +1,203 @@
+"""The transformer (chapters 预填充 and 解码).
+
+One decoder-only model covers Llama 2 / 3.x, Qwen2 / 2.5, Qwen3 and Mistral: RMSNorm, rotary
+position embeddings (with llama3's long-context rescaling), grouped-query attention and a SwiGLU
+MLP. Module and parameter names follow Hugging Face, so a checkpoint loads by name.
+
+The forward runs over a *flat* batch: the new tokens of every sequence in the step, concatenated
+into one ``[T]`` vector, plus ``AttentionMetadata`` that says where each sequence starts and where
+its keys and values live in the KV cache. A prefill of one long prompt, a decode step of many
+requests, or a mix of both is the same call.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minillm.engine.attention_metadata import AttentionMetadata
+from minillm.engine.config import ModelConfig
+from minillm.engine.kernels import (default_backend, paged_decode_attention,
+                                    paged_prefill_attention, store_kv)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 like transformers (which downcasts float64 too)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """RoPE's inverse frequencies theta^(-2i/d) in float32, rescaled the llama3 way if configured.
+
+    llama3 scaling leaves high frequencies (wavelength < original context / high_freq_factor) alone,
+    divides low frequencies (wavelength > original context / low_freq_factor) by ``factor``, and
+    blends the two in between. Same arithmetic as transformers' ``_compute_llama3_parameters``.
+    """
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    if config.rope_scaling is None:
+        return inv_freq
+    scaling = config.rope_scaling
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos and sin of position * frequency for each token, in float32, cast to the model's dtype."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        # A plain attribute, not a buffer: the model is built on the meta device and materialized
+        # with to_empty(), which would leave a buffer uninitialized.
+        self.inv_freq = rope_inv_freq(config)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].to(torch.float32) * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each head of ``x`` [T, heads, d] by its token's angles (the half-split layout of HF)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over the paged KV cache: project, (normalize), rotate, store, attend."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, d = config.hidden_size, config.head_dim
+        self.head_dim = d
+        self.scale = d ** -0.5
+        self.q_proj = nn.Linear(hidden, config.q_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden, config.kv_size, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden, config.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.q_size, hidden, bias=config.o_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x, cos, sin, attn: AttentionMetadata, k_cache, v_cache, backend: str):
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, -1, self.head_dim)
+        k = self.k_proj(x).view(tokens, -1, self.head_dim)
+        v = self.v_proj(x).view(tokens, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        store_kv(k, v, k_cache, v_cache, attn.slot_mapping, backend=backend)
+        if attn.max_query_len == 1:
+            out = paged_decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
+                                         self.scale, backend=backend)
+        else:
+            out = paged_prefill_attention(q, k_cache, v_cache, attn.block_tables, attn.cu_seqlens_q,
+                                          attn.seq_lens, self.scale, backend=backend)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, attn, k_cache, v_cache, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, k_cache, v_cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Embeddings, the layers and the final norm: Hugging Face's ``model.*`` prefix."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """The whole model: ``forward`` gives hidden states, ``compute_logits`` the next-token scores."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tokenizer = None  # set by the loader when the checkpoint ships one
+        self.model = DecoderStack(config)
+        self.rotary = RotaryEmbedding(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the output head when the config says so (Qwen2.5-0.5B)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of the flat batch ``input_ids`` [T] at ``positions`` [T]."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        backend = default_backend(x)
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, attn, k_cache, v_cache, backend)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[N, vocab]`` in float32 for hidden states ``[N, hidden]``."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,72 @@
+"""One step's tokens through the model (chapters 预填充, 解码 and 调度).
+
+:class:`ModelRunner` takes the scheduler's decisions for a step, moves swapped blocks, asks the KV
+cache for the step's input ids, positions and attention metadata (one host-to-device copy), runs
+the flat batch through the model (a decode step replays a CUDA graph) and samples the next token of
+every request whose tokens are now all computed: one device-to-host copy.
+"""
+from __future__ import annotations
+
+import torch
+
+from minillm.engine.decode_graph import DecodeGraphs, graph_sizes
+from minillm.engine.engine_config import EngineConfig
+from minillm.engine.kernels import warmup
+from minillm.engine.model import Transformer
+from minillm.engine.paged_cache import PagedKVCache
+from minillm.engine.sampling import make_generator, sample
+from minillm.engine.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    """The model, its paged KV cache, its decode graphs and the requests' seeded random generators.
+
+    Decode graphs: ``config.cuda_graph_sizes`` if given (off CUDA they run eagerly on the same padded
+    inputs), else vLLM's ladder up to ``max_num_seqs`` on CUDA; none with ``enforce_eager``."""
+
+    def __init__(self, model: Transformer, kv_cache: PagedKVCache, config: EngineConfig):
+        self.model = model
+        self.kv = kv_cache
+        self.device = model.device
+        self.generators: dict[str, torch.Generator] = {}  # per-request seeded RNGs
+        warmup(model.config, model.dtype, self.device, kv_cache.block_size)  # compile before any timed step
+        sizes = config.cuda_graph_sizes
+        if sizes is None:
+            sizes = graph_sizes(config.max_num_seqs) if self.device.type == "cuda" else []
+        self.decode_graphs = DecodeGraphs(model, kv_cache, [] if config.enforce_eager else list(sizes))
+
+    def add_generator(self, request_id: str, seed: int | None) -> None:
+        generator = make_generator(seed, self.device)
+        if generator is not None:
+            self.generators[request_id] = generator
+
+    def drop_generator(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        """Run the scheduled tokens; return request_id -> sampled token for every request whose
+        tokens are now all computed (a finished prompt or a decode)."""
+        self.kv.swap(output.blocks_to_swap_out, output.blocks_to_swap_in)
+        batch, input_ids, last_rows, sampled_requests = [], [], [], []
+        for request, num_new in output.scheduled:
+            start = request.num_computed_tokens
+            batch.append((request.request_id, start, num_new))
+            input_ids += request.token_ids(start, start + num_new)
+            if start + num_new == request.num_tokens:
+                last_rows.append(len(input_ids) - 1)
+                sampled_requests.append(request)
+        input_ids, positions, attn = self.kv.prepare_inputs(batch, input_ids)
+        if attn.max_query_len == 1 and self.decode_graphs.holds(len(batch)):
+            hidden = self.decode_graphs.run(input_ids, positions, attn)
+        else:
+            hidden = self.model(input_ids, positions, attn, self.kv.layer_caches)
+        if not sampled_requests:
+            return {}
+        if len(last_rows) < len(hidden):  # only the rows whose next token is due
+            hidden = hidden[torch.tensor(last_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
+        generators = ([self.generators.get(r.request_id) for r in sampled_requests] if self.generators
+                      else [None] * len(sampled_requests))
+        tokens = sample(logits, [r.params for r in sampled_requests], generators)
+        return {r.request_id: t for r, t in zip(sampled_requests, tokens.tolist(), strict=True)}

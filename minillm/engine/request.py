@@ -1,0 +1,139 @@
+"""One request as the engine sees it (chapters 一次请求的一生 and 调度).
+
+A :class:`Request` holds its tokens, its progress through the KV cache, its own counters (prefix
+hits, preemptions) and :class:`RequestMetrics`, the timestamps of its life on the engine's clock.
+A :class:`RequestOutput` is what the caller gets back after each step: the tokens so far, the ones
+just made (for streaming) and, at the end, why it stopped.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+
+from minillm.engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # never scheduled yet
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    PREEMPTED = "preempted"  # back in the waiting queue, its KV dropped or swapped to the CPU
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps of one request's life (seconds on the engine's clock); the engine fills them in."""
+
+    arrival_time: float
+    num_prompt_tokens: int = 0
+    tokenized_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per generated token
+    finish_time: float | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def queueing(self) -> float | None:
+        """Time spent waiting before the first step that computed any of its tokens."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first: (last - first token time) / (tokens - 1)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        """End-to-end latency: arrival to finish."""
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "queueing": self.queueing, "ttft": self.ttft, "tpot": self.tpot,
+                "e2e": self.e2e, "num_output_tokens": self.num_output_tokens}
+
+
+@dataclass
+class Request:
+    """One request's tokens, progress and counters as the scheduler and the runner see them."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (GPU pool)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    swapped_out: bool = False  # its KV waits in the CPU pool (swap preemption)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at its first admission (vLLM's name)
+    num_preemptions: int = 0
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self):
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.metrics = RequestMetrics(self.arrival_time, num_prompt_tokens=self.num_prompt_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end) of prompt + output, without copying the whole list."""
+        prompt_len = self.num_prompt_tokens
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to compute before the next token can be sampled (1 for a decode)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+class RequestOutput:
+    """A request after one step: the tokens that step made (``new_token_ids``, for streaming) and,
+    through ``token_ids``, all its generated tokens so far (copied only when read). ``text`` is
+    decoded once the request has finished (when there is a tokenizer)."""
+
+    __slots__ = ("request_id", "prompt_token_ids", "new_token_ids", "finished", "finish_reason", "metrics",
+                 "num_cached_tokens", "text", "_outputs", "_num_outputs")
+
+    def __init__(self, request: Request, new_token_ids: list[int], text: str | None = None):
+        self.request_id = request.request_id
+        self.prompt_token_ids = request.prompt_token_ids
+        self.new_token_ids = new_token_ids
+        self.finished = request.is_finished
+        self.finish_reason = request.finish_reason  # "stop" | "length" | "abort" once finished
+        self.metrics = request.metrics
+        self.num_cached_tokens = request.num_cached_tokens  # prompt tokens served by the prefix cache
+        self.text = text
+        self._outputs, self._num_outputs = request.output_token_ids, len(request.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._outputs[:self._num_outputs]
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids}, "
+                f"finished={self.finished}, finish_reason={self.finish_reason!r})")

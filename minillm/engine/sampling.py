@@ -1,0 +1,92 @@
+"""Choosing the next token from the logits (chapter 解码).
+
+Temperature 0 is greedy (argmax). Otherwise the logits are divided by the temperature, cut to the
+``top_k`` best tokens and to the smallest set whose probability reaches ``top_p``, and one token is
+drawn. Each request may carry its own seeded ``torch.Generator``, so its draws do not depend on
+which other requests share the batch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request and when to stop."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # keep the k most likely tokens; 0 = all
+    max_tokens: int = 16  # generated tokens at most
+    ignore_eos: bool = False  # keep going past the model's end-of-sequence tokens
+    stop_token_ids: tuple[int, ...] = ()  # extra tokens that end the request (and are returned)
+    seed: int | None = None  # per-request random seed; None = the global generator
+
+    def __post_init__(self):
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not self.temperature >= 0 or math.isinf(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
+                or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = no limit), got {self.top_k!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not all(
+                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a sequence of token ids (ints >= 0), "
+                             f"got {self.stop_token_ids!r}")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(seed: int | None, device) -> torch.Generator | None:
+    """A generator seeded for one request, or None to use torch's global one."""
+    return None if seed is None else torch.Generator(device=device).manual_seed(seed)
+
+
+def sample(logits: torch.Tensor, params_list: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token id per row of ``logits`` [N, V], row i sampled with ``params_list[i]``."""
+    tokens = logits.argmax(dim=-1)
+    drawn_rows = [i for i, p in enumerate(params_list) if p.temperature > 0]
+    if not drawn_rows:
+        return tokens
+    rows = torch.tensor(drawn_rows, device=logits.device)
+    params = [params_list[i] for i in drawn_rows]
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+    scaled = logits[rows].float() / temperature[:, None]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+    rank = torch.arange(vocab, device=logits.device)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
+    keep = (rank < top_k[:, None]) & (mass_before < top_p[:, None])  # the best token always stays
+    probs = probs * keep
+
+    # Inverse-CDF draw: u ~ U[0, 1) from the request's own generator, then the first token whose
+    # cumulative (unnormalized) mass exceeds u * total. The kept tokens are a prefix of the order.
+    u = torch.cat([torch.rand(1, device=logits.device, generator=generators[i]) for i in drawn_rows])
+    cdf = probs.cumsum(dim=-1)
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+    picks = torch.minimum(picks, keep.sum(dim=-1, keepdim=True) - 1)
+    tokens[rows] = order.gather(1, picks)[:, 0]
+    return tokens

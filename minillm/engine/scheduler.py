@@ -1,0 +1,306 @@
+"""Continuous batching under a token budget (chapter 调度).
+
+One call to :meth:`Scheduler.schedule` decides one engine step: which requests compute how many
+tokens. There is no prefill phase and no decode phase: a request that still has prompt tokens to
+compute and a request that needs its next token share the same budget of
+``max_num_batched_tokens``. Running requests go first (a decode costs one token), then waiting
+requests in arrival order (FCFS). A long prompt is split over several steps (chunked prefill) so it
+does not stall everyone's next token; prompt blocks found in the prefix cache are not computed at
+all. When the KV pool runs out, the most recently admitted request is preempted: by *recompute*
+(drop its KV and compute it again later) or by *swap* (copy its KV blocks to a CPU pool and back).
+
+:class:`StaticBatchScheduler` is the baseline the chapter compares against: a batch is formed,
+runs to completion, and only then is the next batch taken.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from itertools import islice
+
+from minillm.engine.engine_config import EngineConfig
+from minillm.engine.paging import KVCacheManager
+from minillm.engine.request import Request, RequestStatus
+
+ADMISSION_STOPS = ("kv_pool", "token_budget", "max_num_seqs", "static_batch")
+
+
+@dataclass
+class SchedulerOutput:
+    """What one engine step computes, and why it computes no more.
+
+    ``scheduled``: (request, number of new tokens) in batch order. The engine first copies
+    ``blocks_to_swap_out`` (gpu_block, cpu_block) pairs to the CPU, then ``blocks_to_swap_in``
+    (cpu_block, gpu_block) pairs back to the GPU, then runs the forward pass. The counts are this
+    step's decisions; whoever keeps run totals sums them.
+    """
+
+    scheduled: list[tuple[Request, int]]
+    num_prefill_tokens: int  # prompt tokens (or recomputed ones) computed this step
+    num_decode_tokens: int  # requests that compute just their next token
+    preempted: list[Request]
+    blocks_to_swap_out: list[tuple[int, int]]
+    blocks_to_swap_in: list[tuple[int, int]]
+    num_prefix_queries: int  # prompt tokens the requests admitted this step looked up in the prefix cache
+    num_cached_tokens: int  # of those, found cached: prefill they skip
+    admission_stop: str | None  # why requests are left waiting (one of ADMISSION_STOPS); None: none wait
+    num_running: int
+    num_waiting: int
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Continuous batching: requests join and leave the running batch at every step.
+
+    ``config`` is the engine's, resolved: ``num_kv_blocks`` and ``max_model_len`` are known and the
+    engine has checked them against the pool (``kv_manager``); ``num_cpu_blocks`` is the swap pool.
+    """
+
+    def __init__(self, kv_manager: KVCacheManager, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()):
+        self.kv = kv_manager
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        # Swapped-out KV lives in a second pool, managed with the same block bookkeeping.
+        self.cpu_kv = (KVCacheManager(config.num_cpu_blocks, kv_manager.block_size, enable_prefix_caching=False)
+                       if config.preemption_mode == "swap" and config.num_cpu_blocks else None)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.requests: dict[str, Request] = {}  # every unfinished request
+
+    # -- requests in and out ---------------------------------------------------------------------
+    def check_request(self, request_id: str, num_prompt_tokens: int) -> None:
+        """Refuse a request that could never be scheduled (the loop never spins), before anything
+        is made for it."""
+        config = self.config
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if num_prompt_tokens == 0:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if num_prompt_tokens + 1 > config.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {num_prompt_tokens} tokens + 1 generated token "
+                f"exceeds max_model_len={config.max_model_len} (the KV pool holds "
+                f"{config.pool_tokens} tokens)")
+        if not config.enable_chunked_prefill and num_prompt_tokens > config.max_num_batched_tokens:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {num_prompt_tokens} tokens does not fit "
+                f"max_num_batched_tokens={config.max_num_batched_tokens} with chunked prefill "
+                f"disabled (enable it or raise the budget)")
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (``check_request`` first)."""
+        self.check_request(request.request_id, request.num_prompt_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def abort(self, request_id: str) -> Request:
+        """Finish a request now with reason "abort" and free its blocks."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise ValueError(f"unknown or finished request_id {request_id!r}")
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, "abort")
+        return request
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        if request.request_id in self.kv:  # a waiting request holds no blocks
+            self.kv.free(request.request_id)
+        if request.swapped_out:
+            self.cpu_kv.free(request.request_id)
+            request.swapped_out = False
+        del self.requests[request.request_id]
+
+    # -- one step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's (request, num_new_tokens) under the token budget and the KV pool."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        num_decode = 0
+
+        # 1. Running requests, oldest first. Preempting always takes the newest one, which has not
+        #    been scheduled yet this step (or is the request itself).
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_new_tokens(request.num_uncomputed_tokens, budget)
+            if num_new == 0:  # a long recompute that waits for a fuller budget
+                index += 1
+                continue
+            while not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                preempted.append(victim)
+                swap_out += self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                num_decode += _is_decode(request, num_new)
+                budget -= num_new
+                index += 1
+
+        # 2. Waiting requests, FCFS, until something stops admission (the reason is reported).
+        queries = cached_total = 0
+        stop = None
+        while self.waiting and stop is None:
+            stop = self._admission_blocked(budget, preempted)
+            if stop is not None:
+                break
+            request = self.waiting[0]
+            lookup = not request.swapped_out and request.num_computed_tokens == 0
+            num_cached = 0
+            if lookup:
+                num_cached = self.kv.match_prefix(request.request_id, request.all_token_ids)
+                request.num_computed_tokens = num_cached
+            num_new = self._num_new_tokens(request.num_uncomputed_tokens, budget)
+            if num_new == 0 or not self.kv.allocate(request.request_id,
+                                                    request.num_computed_tokens + num_new):
+                if lookup:  # give back the prefix blocks it matched
+                    self.kv.free(request.request_id)
+                    request.num_computed_tokens = 0
+                stop = "token_budget" if num_new == 0 else "kv_pool"
+                break
+            self.waiting.popleft()
+            if request.swapped_out:
+                swap_in += self._swap_in(request)
+            if lookup:
+                queries += request.num_tokens
+                cached_total += num_cached
+            if request.status is RequestStatus.WAITING:  # its first admission
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            num_decode += _is_decode(request, num_new)  # a request swapped back in decodes at once
+            budget -= num_new
+        num_batched = sum(n for _, n in scheduled)
+        return SchedulerOutput(scheduled, num_batched - num_decode, num_decode, preempted, swap_out,
+                               swap_in, queries, cached_total, stop if self.waiting else None,
+                               len(self.running), len(self.waiting))
+
+    def _admission_blocked(self, budget: int, preempted: list[Request]) -> str | None:
+        """Why the head of the waiting queue cannot be admitted this step, before looking at it."""
+        if preempted:  # memory is tight: this step already threw a request back
+            return "kv_pool"
+        if budget <= 0:
+            return "token_budget"
+        if len(self.running) >= self.config.max_num_seqs:
+            return "max_num_seqs"
+        if not self._may_admit(self.waiting[0]):
+            return "static_batch"
+        return None
+
+    def _may_admit(self, request: Request) -> bool:
+        """Continuous batching admits whenever there is room; the static baseline overrides it."""
+        return True
+
+    def _num_new_tokens(self, remaining: int, budget: int) -> int:
+        """Of the ``remaining`` tokens a request must compute, how many now: all, a chunk, or 0 (wait)."""
+        if remaining <= budget:
+            return remaining
+        # Without chunking a prompt goes whole or not at all; only a recomputed request can be
+        # longer than the whole budget, and it is computed in budget-sized pieces.
+        if self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens:
+            return budget
+        return 0
+
+    def _preempt(self, request: Request) -> list[tuple[int, int]]:
+        """Take a running request off the GPU pool; requeue it at the front of the waiting queue."""
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        swap_out: list[tuple[int, int]] = []
+        num_blocks = -(-request.num_computed_tokens // self.kv.block_size)
+        if (self.cpu_kv is not None and num_blocks > 0
+                and self.cpu_kv.allocate(request.request_id, request.num_computed_tokens)):
+            gpu_blocks = self.kv.block_table(request.request_id)[:num_blocks]
+            swap_out = list(zip(gpu_blocks, self.cpu_kv.block_table(request.request_id)))
+            request.swapped_out = True
+        else:  # recompute (also the fallback when the CPU pool is full)
+            request.num_computed_tokens = 0
+        self.kv.free(request.request_id)
+        self.waiting.appendleft(request)
+        return swap_out
+
+    def _swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Pair the request's CPU blocks with its freshly allocated GPU blocks; free the CPU ones."""
+        cpu_blocks = self.cpu_kv.block_table(request.request_id)
+        gpu_blocks = self.kv.block_table(request.request_id)[:len(cpu_blocks)]
+        self.cpu_kv.free(request.request_id)
+        request.swapped_out = False
+        return list(zip(cpu_blocks, gpu_blocks))
+
+    # -- after the forward pass ------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests by their computed tokens and append the sampled ones.
+
+        ``sampled`` maps request_id -> new token for the requests whose tokens are now all
+        computed. Returns the requests that finished in this step (their blocks are freed).
+        """
+        finished = []
+        block_size = self.kv.block_size
+        for request, num_new in output.scheduled:
+            before = request.num_computed_tokens
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens // block_size > before // block_size:  # a block filled up
+                self.kv.commit(request.request_id, request.token_ids(0, request.num_computed_tokens))
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.output_token_ids.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason)
+                finished.append(request)
+        return finished
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            return "stop"
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+
+def _is_decode(request: Request, num_new: int) -> bool:
+    """Whether the step computes just the request's last sampled token (its next one is due)."""
+    return num_new == 1 and bool(request.output_token_ids) and request.num_uncomputed_tokens == 1
+
+
+class StaticBatchScheduler(Scheduler):
+    """The baseline: take up to ``max_num_seqs`` waiting requests as one batch, run it to completion,
+    and only then take the next batch (no request joins a batch in flight)."""
+
+    def __init__(self, kv_manager: KVCacheManager, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()):
+        super().__init__(kv_manager, config, eos_token_ids)
+        self.batch: set[str] = set()  # ids of the batch in flight
+
+    def _may_admit(self, request: Request) -> bool:
+        if not self.batch:
+            self.batch = {r.request_id for r in islice(self.waiting, self.config.max_num_seqs)}
+        return request.request_id in self.batch
+
+    def _finish(self, request: Request, reason: str) -> None:
+        super()._finish(request, reason)
+        self.batch.discard(request.request_id)
+
+
+SCHEDULERS = {"continuous": Scheduler, "static": StaticBatchScheduler}

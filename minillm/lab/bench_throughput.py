@@ -1,0 +1,221 @@
+"""Offline throughput: minillm against Hugging Face ``generate()`` (chapter 调度).
+
+Both engines get the same model weights and the same workload (random prompts, lengths uniform in
+a range, ``ignore_eos``, all requests at once), in one run. minillm runs it with continuous
+batching over its paged cache; transformers runs it the way it is usually served: static batches,
+left-padded to the longest prompt, each batch decoding until its longest answer is done. Both
+count only the tokens each request asked for, so the ratio is of useful work per second.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from minillm.engine.config import load_config, resolve_model_dir
+from minillm.engine.device import resolve_device, synchronize
+from minillm.engine.llm import LLM
+from minillm.engine.loader import TORCH_DTYPES, load_model
+from minillm.engine.sampling import SamplingParams
+from minillm.engine.units import ceil_div
+from minillm.lab import records
+from minillm.lab.hardware import describe_device
+from minillm.lab.workload import Workload, random_prompts, throughput_workload
+
+WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+CPU_SCALE = 0.25  # the CPU runs a quarter of the workload: 64 requests, lengths 25-256
+
+
+def bench_throughput(model: str = "small", device=None, dtype: torch.dtype | None = None,
+                     scale: float | None = None, num_requests: int = 256, seed: int = 0,
+                     hf_batch_size: int = 16, max_num_seqs: int = 256,
+                     max_num_batched_tokens: int = 2048, num_kv_blocks: int | None = None,
+                     memory_limit=None, block_size: int = 16, run_transformers: bool = True) -> dict:
+    """Run the offline throughput workload on minillm and (unless ``run_transformers=False``) on
+    transformers; return both measurements and the ratio of output tokens per second.
+
+    ``model``: a preset or a folder with ``config.json`` (weights are random: throughput does not
+    depend on their values). ``scale``: of the standard workload (default 1 on CUDA,
+    ``CPU_SCALE`` on the CPU). ``num_kv_blocks=None``: the planner decides on a GPU (or with
+    ``memory_limit``); on the CPU, which has no card to plan, the pool holds every request at once.
+    """
+    if hf_batch_size < 1:
+        raise ValueError(f"hf_batch_size must be >= 1, got {hf_batch_size}")
+    folder = resolve_model_dir(model)
+    if folder is None:
+        raise ValueError(f"model must be a preset or a folder with config.json, got {model!r}")
+    device = resolve_device(device)
+    if scale is None:
+        scale = 1.0 if device.type == "cuda" else CPU_SCALE
+    workload = throughput_workload(load_config(folder).vocab_size, num_requests, scale=scale,
+                                   seed=seed)
+    net = load_model(folder, device=device, dtype=dtype, weights="random")
+    if num_kv_blocks is None and net.device.type == "cpu" and memory_limit is None:
+        num_kv_blocks = sum(ceil_div(len(p) + sp.max_tokens, block_size)
+                            for p, sp in zip(workload.prompts, workload.params))
+    engine_args = dict(block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens, memory_limit=memory_limit)
+    result = {
+        "model": net.config.name,
+        "device": describe_device(net.device).name,
+        "dtype": str(net.dtype).removeprefix("torch."),
+        "workload": {"num_requests": len(workload), "scale": scale, "seed": seed,
+                     "input_tokens": sum(workload.input_lens),
+                     "output_tokens": sum(workload.output_lens),
+                     "length_range": [min(workload.input_lens + workload.output_lens),
+                                      max(workload.input_lens + workload.output_lens)]},
+        "minillm": _run_minillm(net, workload, engine_args),
+    }
+    if net.device.type == "cuda":  # the KV pool is gone: give its memory to transformers
+        torch.cuda.empty_cache()
+    if run_transformers:
+        hf = _transformers_model(folder, net)
+        result["transformers"] = _run_transformers(hf, workload, hf_batch_size)
+        result["ratio"] = (result["minillm"]["output_throughput"]
+                           / result["transformers"]["output_throughput"])
+        # With the same cost per computed token, the tok/s ratio would equal the ratio of tokens
+        # each side computes (transformers pads prompts and runs each batch to its longest output).
+        result["work_ratio"] = (result["transformers"]["computed_tokens"]
+                                / result["minillm"]["computed_tokens"])
+        result["efficiency"] = result["ratio"] / result["work_ratio"]
+    return result
+
+
+def _run_minillm(net, workload: Workload, engine_args: dict) -> dict:
+    """minillm on the workload, after a warm-up; its KV pool is freed on return."""
+    llm = LLM(net, **engine_args)
+    device = net.device
+    llm.generate(_warmup_prompts(net.config.vocab_size), WARMUP_PARAMS, use_tqdm=False)
+    synchronize(device)
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, workload.params, use_tqdm=False)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    stats = llm.stats()
+    output_tokens = sum(len(o.token_ids) for o in outputs)
+    return {"seconds": seconds, "output_tokens": output_tokens,
+            "output_throughput": output_tokens / seconds,
+            "total_throughput": (output_tokens + sum(workload.input_lens)) / seconds,
+            "computed_tokens": sum(s["num_prefill_tokens"] + s["num_decode_tokens"] for s in stats["steps"]),
+            "num_steps": len(stats["steps"]), "num_preemptions": stats["num_preemptions"],
+            "num_kv_blocks": stats["num_kv_blocks"], **{
+                k: getattr(llm.config, k) for k in ("max_num_seqs", "max_num_batched_tokens")}}
+
+
+def _warmup_prompts(vocab_size: int) -> list[list[int]]:
+    """Two short prompts unlike the workload's (no prefix-cache hits carried into the timed run)."""
+    return random_prompts([32, 24], vocab_size, seed=-1)
+
+
+def _transformers_model(folder, net):
+    """The transformers model of the same config, holding minillm's weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device(net.device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=net.dtype)
+    hf.load_state_dict(net.state_dict())
+    return hf.eval()
+
+
+def _run_transformers(hf, workload: Workload, batch_size: int) -> dict:
+    """Static batches in arrival order, left-padded; every row decodes the batch's longest answer."""
+    device = hf.device
+    _hf_batch(hf, _warmup_prompts(hf.config.vocab_size), WARMUP_PARAMS.max_tokens)
+    synchronize(device)
+    start = time.perf_counter()
+    computed_tokens = 0
+    for first in range(0, len(workload), batch_size):
+        rows = range(first, min(first + batch_size, len(workload)))
+        prompts = [workload.prompts[i] for i in rows]
+        new_tokens = max(workload.output_lens[i] for i in rows)
+        _hf_batch(hf, prompts, new_tokens)
+        computed_tokens += len(prompts) * (max(map(len, prompts)) + new_tokens - 1)  # the last token is not fed back
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    output_tokens = sum(workload.output_lens)
+    return {"seconds": seconds, "output_tokens": output_tokens,
+            "output_throughput": output_tokens / seconds,
+            "total_throughput": (output_tokens + sum(workload.input_lens)) / seconds,
+            "batch_size": batch_size,
+            "computed_tokens": computed_tokens}  # padding and overshoot included
+
+
+@torch.inference_mode()
+def _hf_batch(hf, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
+    """One ``generate()`` call: left padding, greedy, exactly ``new_tokens`` tokens per row."""
+    width = max(map(len, prompts))
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    return hf.generate(input_ids=input_ids.to(hf.device), attention_mask=mask.to(hf.device),
+                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                       pad_token_id=0)
+
+
+def format_throughput(result: dict) -> str:
+    """The result as a few readable lines (what the CLI prints)."""
+    w = result["workload"]
+    lines = [f"model {result['model']} ({result['dtype']}) on {result['device']}",
+             f"workload: {w['num_requests']:,} requests, lengths {w['length_range'][0]:,}-"
+             f"{w['length_range'][1]:,}, {w['input_tokens']:,} input + {w['output_tokens']:,} "
+             f"output tokens"]
+    for name in ("minillm", "transformers"):
+        if name in result:
+            r = result[name]
+            lines.append(f"{name:>12}: {r['output_throughput']:,.1f} output tok/s, "
+                         f"{r['total_throughput']:,.1f} total tok/s ({r['seconds']:,.2f} s)")
+    if "ratio" in result:
+        lines.append(f"minillm / transformers (output tok/s): {result['ratio']:.2f}x; tokens computed, "
+                     f"transformers / minillm: {result['work_ratio']:.2f}x; cost per computed token, "
+                     f"transformers / minillm: {result['efficiency']:.2f}")
+    return "\n".join(lines)
+
+
+# --- python -m minillm bench throughput ------------------------------------------------------------
+
+def add_cli(bench_commands) -> None:
+    """Register ``throughput`` on the ``bench`` subcommands (``minillm.lab.bench.add_cli`` returns them)."""
+    cmd = bench_commands.add_parser("throughput", help="offline throughput: minillm vs transformers")
+    cmd.add_argument("--model", default="small", help="preset name or directory with config.json")
+    cmd.add_argument("--device", help="cpu or cuda (default: $MINILLM_DEVICE, else CUDA if present)")
+    cmd.add_argument("--dtype", choices=sorted(TORCH_DTYPES),
+                     help="default: the model's on CUDA, float32 on the CPU")
+    cmd.add_argument("--num-requests", type=int, default=256)
+    cmd.add_argument("--scale", type=float, help=f"shrink request count and lengths (default 1 on "
+                                                 f"CUDA, {CPU_SCALE} on the CPU)")
+    cmd.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch size")
+    cmd.add_argument("--max-num-seqs", type=int, default=256)
+    cmd.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    cmd.add_argument("--num-kv-blocks", type=int, help="default: the planner (CPU: every request fits)")
+    cmd.add_argument("--seed", type=int, default=0)
+    cmd.add_argument("--minillm-only", action="store_true", help="skip transformers")
+    cmd.add_argument("--out", help="write the record to this JSON file, e.g. "
+                                   "data/measurements/h200-throughput.json")
+    cmd.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    """Run the benchmark, print both throughputs and the ratio, write the record if ``--out``."""
+    try:
+        device = resolve_device(args.device)
+        params = {"model": args.model, "device": str(device), "dtype": args.dtype,
+                  "num_requests": args.num_requests, "scale": args.scale,
+                  "hf_batch_size": args.hf_batch_size, "max_num_seqs": args.max_num_seqs,
+                  "max_num_batched_tokens": args.max_num_batched_tokens,
+                  "num_kv_blocks": args.num_kv_blocks, "seed": args.seed}
+        result = bench_throughput(
+            args.model, device, TORCH_DTYPES.get(args.dtype), args.scale, args.num_requests, args.seed,
+            args.hf_batch_size, args.max_num_seqs, args.max_num_batched_tokens, args.num_kv_blocks,
+            run_transformers=not args.minillm_only)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_throughput(result))
+    if args.out:
+        records.write(args.out, "throughput", params, result, device)
+        print(f"record written to {args.out}")
+    return 0

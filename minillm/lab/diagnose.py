@@ -1,0 +1,429 @@
+"""Find the wall before changing the engine (chapter 先问瓶颈，再换框架).
+
+``diagnose(record)`` reads the run record of one run (``minillm.lab.records.run_record(llm)`` or the
+JSON file ``records.save_run`` wrote) and answers three questions before anyone reaches for another
+framework:
+
+1. **Which kind of slow?** The first token (TTFT), the tokens after it (TPOT), or outright failure
+   (requests aborted, or thrown back by preemption again and again).
+2. **Where does the memory go?** The ledger of weights, the KV pool and what is left, measured
+   (the record's memory section) beside the estimate (``minillm.lab.estimate``).
+3. **Did batches form?** The batch of every step, how much of the TTFT was spent in the queue, and
+   why requests waited: the KV pool, the token budget or ``max_num_seqs``.
+
+From these it names the wall:
+
+- **capacity** when the KV pool ran out: any preemption, or requests left waiting in at least
+  ``KV_BLOCKED_SHARE`` of the steps although the token budget and ``max_num_seqs`` had room;
+- else **compute** when computing prompts (prefill) took at least ``PREFILL_TIME_SHARE`` of the
+  engine's busy time;
+- else **bandwidth**: the engine spent its time on decode steps, each of which reads all weights
+  and every running request's KV.
+
+The numbers behind the verdict are kept on the :class:`Diagnosis` and printed by ``report()``.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+
+from minillm.engine.config import ModelConfig
+from minillm.engine.memory_plan import MemoryPlan
+from minillm.engine.scheduler import ADMISSION_STOPS
+from minillm.engine.units import fmt_bytes
+from minillm.lab import estimate as ledger
+from minillm.lab.gpus import find_gpu
+from minillm.lab.metrics import distribution
+from minillm.lab.records import load_run
+
+SYMPTOMS = ("first_token", "tokens", "failure")
+WALLS = ("compute", "bandwidth", "capacity")
+KV_BLOCKED_SHARE = 0.1  # steps in which the KV pool kept requests waiting: capacity from here up
+PREFILL_TIME_SHARE = 0.5  # busy time spent on prompt tokens: compute from here up
+HEAVY_PREEMPTIONS_PER_REQUEST = 0.5  # preemptions per request that users see as failure
+FIRST_TOKEN_SHARE = 0.5  # the wait before the first token, of end-to-end: first token slow from here up
+
+@dataclass(frozen=True)
+class Latency:
+    """Question 1, what users feel. Distributions are {mean, p50, p90, p99} in seconds."""
+
+    num_requests: int
+    num_aborted: int
+    num_preemptions: int
+    num_preempted_requests: int
+    ttft: dict | None
+    tpot: dict | None
+    e2e: dict | None
+    first_token_share: float | None  # mean TTFT / mean end-to-end: the wait before the first token
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """Question 2, the memory: the card's plan (when the engine planned its pool) and what the run
+    used of the pool, measured bytes beside the ledger's estimate."""
+
+    plan: MemoryPlan | None  # None when the KV pool was sized by hand
+    weight_bytes: int
+    weight_bytes_estimate: int
+    kv_bytes_per_token: float
+    kv_bytes_per_token_estimate: int
+    kv_cache_bytes: int
+    kv_pool_tokens: int
+    peak_kv_tokens: int  # most pool slots held at once (whole blocks)
+    mean_request_tokens: float  # prompt + output of the average request
+
+    @property
+    def peak_kv_share(self) -> float:
+        return self.peak_kv_tokens / self.kv_pool_tokens
+
+    @property
+    def requests_in_pool(self) -> float:
+        """How many average requests the KV pool holds at once."""
+        return self.kv_pool_tokens / self.mean_request_tokens
+
+
+@dataclass(frozen=True)
+class Batching:
+    """Question 3, the schedule: did batches form, or did requests queue (and why)."""
+
+    num_steps: int
+    busy_seconds: float  # sum of step durations
+    mean_batch: float  # requests scheduled per step
+    max_batch: int
+    mean_decode_batch: float | None  # decode tokens per step, over steps that decoded
+    max_num_seqs: int
+    queueing_share_of_ttft: float | None  # sum of queueing / sum of TTFT
+    mean_queueing: float | None
+    waited_steps: dict  # reason -> steps that ended with requests still waiting for that reason
+    prefill_time_share: float  # busy time attributed to prompt tokens (mixed steps split by tokens)
+    decode_bytes_per_s: float | None  # weights + KV read per pure decode step / its duration
+    prefill_flops_per_s: float | None  # FLOPs of steps that carried prompt tokens / their duration
+    bandwidth: float | None  # the ceilings compared against (spec row or caller's), B/s
+    peak_flops: float | None  # FLOP/s
+
+    @property
+    def kv_blocked_share(self) -> float:
+        return self.waited_steps["kv_pool"] / self.num_steps
+
+    @property
+    def mbu(self) -> float | None:
+        """Model bandwidth utilization of the decode steps."""
+        if self.decode_bytes_per_s is None or self.bandwidth is None:
+            return None
+        return self.decode_bytes_per_s / self.bandwidth
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilization of the steps that computed prompts."""
+        if self.prefill_flops_per_s is None or self.peak_flops is None:
+            return None
+        return self.prefill_flops_per_s / self.peak_flops
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The verdict (``symptom``, ``wall``), the numbers behind it, and the reasons in words."""
+
+    model: str
+    device: str
+    symptom: str  # one of SYMPTOMS
+    wall: str  # one of WALLS
+    latency: Latency
+    memory: MemoryUse
+    batching: Batching
+    evidence: tuple[str, ...]  # why this wall, each line with its numbers
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def report(self) -> str:
+        """The three answers and the verdict as plain text (what the CLI prints)."""
+        lat, mem, bat = self.latency, self.memory, self.batching
+        lines = [f"minillm diagnose: {self.model} on {self.device}, {lat.num_requests} requests, "
+                 f"{bat.num_steps} steps, {bat.busy_seconds:.3f} s busy",
+                 "", f"1. Which kind of slow: {_SYMPTOM_TEXT[self.symptom]}",
+                 f"   TTFT {_dist(lat.ttft)}", f"   TPOT {_dist(lat.tpot)}",
+                 f"   end-to-end {_dist(lat.e2e)}"]
+        if lat.first_token_share is not None:
+            lines.append(f"   the wait before the first token is {lat.first_token_share:.0%} of "
+                         f"the end-to-end time")
+        lines.append(f"   aborted {lat.num_aborted}, preemptions {lat.num_preemptions} "
+                     f"({lat.num_preempted_requests} requests preempted)")
+        lines += ["", "2. Ledger",
+                  f"   weights {_bytes(mem.weight_bytes)} (estimate {_bytes(mem.weight_bytes_estimate)})",
+                  f"   KV per token {_bytes(mem.kv_bytes_per_token)} (estimate "
+                  f"{_bytes(mem.kv_bytes_per_token_estimate)})",
+                  f"   KV pool {_bytes(mem.kv_cache_bytes)} = {mem.kv_pool_tokens:,} tokens = "
+                  f"{mem.requests_in_pool:.1f} requests of the mean {mem.mean_request_tokens:,.0f} tokens",
+                  f"   peak KV in use {mem.peak_kv_tokens:,} tokens ({mem.peak_kv_share:.0%} of the pool)"]
+        if mem.plan is not None:
+            plan = mem.plan
+            lines.append(f"   card {_bytes(plan.total_bytes)}, budget {_bytes(plan.budget_bytes)}, "
+                         f"activation peak {_bytes(plan.activation_peak_bytes)}, other "
+                         f"{_bytes(plan.other_bytes)}, unused {_bytes(plan.unused_bytes)}")
+        else:
+            lines.append("   card size not in the record (KV pool set by hand): headroom unknown")
+        waited = ", ".join(f"{bat.waited_steps[r]} for {_WAIT_TEXT[r]}"
+                           for r in ADMISSION_STOPS if bat.waited_steps[r])
+        lines += ["", "3. Batches",
+                  f"   batch per step: mean {bat.mean_batch:.1f}, max {bat.max_batch} "
+                  f"(max_num_seqs {bat.max_num_seqs}); mean decode batch "
+                  f"{_num(bat.mean_decode_batch, '.1f')}",
+                  f"   queueing: {_num(bat.queueing_share_of_ttft, '.0%')} of TTFT "
+                  f"(mean {_seconds(bat.mean_queueing)})",
+                  f"   steps that ended with requests waiting: {waited or 'none'}",
+                  f"   busy time on prompts (prefill) {bat.prefill_time_share:.0%}, on decode "
+                  f"{1 - bat.prefill_time_share:.0%}"]
+        if bat.decode_bytes_per_s is not None:
+            mbu = f" = {bat.mbu:.0%} of {bat.bandwidth / 1e9:,.0f} GB/s (MBU)" if bat.mbu is not None else ""
+            lines.append(f"   decode steps read {bat.decode_bytes_per_s / 1e9:,.2f} GB/s{mbu}")
+        if bat.prefill_flops_per_s is not None:
+            mfu = f" = {bat.mfu:.0%} of {bat.peak_flops / 1e12:,.1f} TFLOP/s (MFU)" if bat.mfu is not None else ""
+            lines.append(f"   prompt steps computed {bat.prefill_flops_per_s / 1e12:,.3f} TFLOP/s{mfu}")
+        lines += ["", f"Wall: {self.wall} ({_WALL_TEXT[self.wall]})"]
+        lines += [f"   - {line}" for line in self.evidence]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+_SYMPTOM_TEXT = {"first_token": "the first token (TTFT)", "tokens": "the tokens after the first (TPOT)",
+                 "failure": "outright failure (aborted or repeatedly preempted requests)"}
+_WAIT_TEXT = {"kv_pool": "KV blocks", "token_budget": "the token budget",
+              "max_num_seqs": "max_num_seqs", "static_batch": "the static batch to finish"}
+_WALL_TEXT = {"compute": "prompts are computed at the matrix rate of the device",
+              "bandwidth": "every decode step reads all weights and KV from memory",
+              "capacity": "the KV pool is too small for the requests in flight"}
+
+
+# --- Reading a record ----------------------------------------------------------------------------
+
+def _config(record: dict) -> ModelConfig:
+    if not isinstance(record["model"], dict):
+        raise ValueError("the record's model section is not a ModelConfig: not an object")
+    model = dict(record["model"])
+    model["eos_token_ids"] = tuple(model.get("eos_token_ids", ()))
+    try:
+        return ModelConfig(**model)
+    except TypeError as err:
+        raise ValueError(f"the record's model section is not a ModelConfig: {err}") from None
+
+
+# --- The three questions -------------------------------------------------------------------------
+
+def diagnose(record, bandwidth: float | None = None, peak_flops: float | None = None) -> Diagnosis:
+    """Diagnose one run: ``record`` is ``records.run_record(llm)`` or the path of its JSON.
+
+    ``bandwidth`` (B/s) and ``peak_flops`` (FLOP/s) are the ceilings the decode and prompt steps
+    are compared with (MBU, MFU); default: the spec row of the record's GPU in ``data/gpus.csv``,
+    none for a CPU (pass ``minillm.lab.hardware.probe_device()``'s numbers there).
+    """
+    record = load_run(record)
+    cfg = _config(record)
+    device = record.get("device") or {}
+    spec = find_gpu(device.get("name", "")) if device.get("type") == "cuda" else None
+    bandwidth = bandwidth if bandwidth is not None else (spec.bandwidth if spec else None)
+    peak_flops = peak_flops if peak_flops is not None else (spec.bf16_flops if spec else None)
+    latency = _latency(record)
+    memory = _memory(record, cfg)
+    batching = _batching(record, cfg, bandwidth, peak_flops)
+    symptom = _symptom(latency)
+    wall, evidence = _wall(latency, memory, batching)
+    return Diagnosis(cfg.name, device.get("name", "unknown device"), symptom, wall, latency,
+                     memory, batching, tuple(evidence))
+
+
+def _latency(record: dict) -> Latency:
+    requests = record["requests"]
+    values = {name: [r[name] for r in requests if r[name] is not None] for name in ("ttft", "e2e")}
+    tpots = [r["tpot"] for r in requests if r.get("tpot") is not None]
+    both = [r for r in requests if r["ttft"] is not None and r["e2e"] is not None]
+    share = None
+    if both and sum(r["e2e"] for r in both) > 0:
+        share = sum(r["ttft"] for r in both) / sum(r["e2e"] for r in both)
+    return Latency(
+        num_requests=len(requests),
+        num_aborted=sum(r["finish_reason"] == "abort" for r in requests),
+        num_preemptions=record["stats"]["num_preemptions"],
+        num_preempted_requests=sum(r.get("num_preemptions", 0) > 0 for r in requests),
+        ttft=distribution(values["ttft"]), tpot=distribution(tpots), e2e=distribution(values["e2e"]),
+        first_token_share=share)
+
+
+def _memory(record: dict, cfg: ModelConfig) -> MemoryUse:
+    engine, memory, steps = record["engine"], record["memory"], record["stats"]["steps"]
+    block_size, num_blocks = engine["block_size"], engine["num_kv_blocks"]
+    fewest_free = min(min(s["num_free_blocks_before"], s["num_free_blocks"]) for s in steps)
+    plan = memory["plan"] and MemoryPlan.from_dict(memory["plan"])
+    requests = record["requests"]
+    return MemoryUse(
+        plan=plan,
+        weight_bytes=memory["weight_bytes"],
+        weight_bytes_estimate=ledger.weight_bytes(cfg, record["dtype"]),
+        kv_bytes_per_token=memory["kv_bytes_per_block"] / block_size,
+        kv_bytes_per_token_estimate=ledger.kv_bytes_per_token(cfg, record["dtype"]),
+        kv_cache_bytes=memory["kv_cache_bytes"],
+        kv_pool_tokens=num_blocks * block_size,
+        peak_kv_tokens=(num_blocks - fewest_free) * block_size,
+        mean_request_tokens=statistics.fmean(r["num_prompt_tokens"] + r["num_output_tokens"]
+                                             for r in requests))
+
+
+def _batching(record: dict, cfg: ModelConfig, bandwidth, peak_flops) -> Batching:
+    engine, steps, requests = record["engine"], record["stats"]["steps"], record["requests"]
+    durations = [s["end"] - s["start"] for s in steps]
+    busy = sum(durations)
+    prefill_time = sum(d * s["num_prefill_tokens"] / (s["num_prefill_tokens"] + s["num_decode_tokens"])
+                       for s, d in zip(steps, durations) if s["num_prefill_tokens"])
+    decode_batches = [s["num_decode_tokens"] for s in steps if s["num_decode_tokens"]]
+    queued = [r for r in requests if r["queueing"] is not None and r["ttft"] is not None]
+    ttft_sum = sum(r["ttft"] for r in queued)
+    waited = dict.fromkeys(ADMISSION_STOPS, 0)
+    for step in steps:
+        if step["admission_stop"] is not None:
+            waited[step["admission_stop"]] += 1
+    decode_rate, prefill_rate = _rates(record, cfg, durations)
+    return Batching(
+        num_steps=len(steps), busy_seconds=busy,
+        mean_batch=statistics.fmean(s["batch_size"] for s in steps),
+        max_batch=max(s["batch_size"] for s in steps),
+        mean_decode_batch=statistics.fmean(decode_batches) if decode_batches else None,
+        max_num_seqs=engine["max_num_seqs"],
+        queueing_share_of_ttft=sum(r["queueing"] for r in queued) / ttft_sum if ttft_sum > 0 else None,
+        mean_queueing=statistics.fmean(r["queueing"] for r in queued) if queued else None,
+        waited_steps=waited, prefill_time_share=prefill_time / busy if busy > 0 else 0.0,
+        decode_bytes_per_s=decode_rate, prefill_flops_per_s=prefill_rate,
+        bandwidth=bandwidth, peak_flops=peak_flops)
+
+
+def _rates(record: dict, cfg: ModelConfig, durations: list[float]) -> tuple[float | None, float | None]:
+    """Bytes per second that pure decode steps read (weights + every request's KV) and FLOPs per
+    second of the steps that carried prompt tokens. Contexts are replayed from the step log: a
+    request's context grows by its scheduled tokens and restarts at 0 when it is preempted by
+    recompute."""
+    engine, memory = record["engine"], record["memory"]
+    kv_per_token = memory["kv_bytes_per_block"] / engine["block_size"]
+    linear_flops = ledger.matmul_flops_per_token(cfg)
+    attention_per_position = ledger.attention_flops_per_token(cfg, 1)
+    computed: dict[str, int] = {}
+    decode_bytes = decode_time = prefill_flops = prefill_time = 0.0
+    for step, seconds in zip(record["stats"]["steps"], durations):
+        if engine["preemption_mode"] == "recompute":
+            for request_id in step["preempted"]:
+                computed[request_id] = 0
+        step_kv_tokens = 0
+        step_flops = 0
+        for request_id, num_new in step["scheduled"]:
+            before = computed.get(request_id, 0)
+            computed[request_id] = before + num_new
+            step_kv_tokens += before + num_new
+            # new token j attends to before + j + 1 positions
+            step_flops += (num_new * linear_flops
+                           + attention_per_position * (num_new * before + num_new * (num_new + 1) // 2))
+        if step["num_prefill_tokens"]:
+            prefill_flops += step_flops
+            prefill_time += seconds
+        else:
+            decode_bytes += memory["weight_bytes"] + step_kv_tokens * kv_per_token
+            decode_time += seconds
+    return (decode_bytes / decode_time if decode_time > 0 else None,
+            prefill_flops / prefill_time if prefill_time > 0 else None)
+
+
+# --- The verdict ---------------------------------------------------------------------------------
+
+def _symptom(latency: Latency) -> str:
+    """Failure when requests were aborted or preempted heavily; else the larger part of the
+    average wait: before the first token (TTFT) or after it (the other tokens)."""
+    if latency.num_aborted or (latency.num_preemptions
+                               >= HEAVY_PREEMPTIONS_PER_REQUEST * latency.num_requests):
+        return "failure"
+    if latency.first_token_share is not None and latency.first_token_share >= FIRST_TOKEN_SHARE:
+        return "first_token"
+    return "tokens"
+
+
+def _wall(latency: Latency, memory: MemoryUse, batching: Batching) -> tuple[str, list[str]]:
+    """Capacity first (the pool decides who may run at all), then what the busy time went to."""
+    evidence = []
+    if latency.num_preemptions:
+        evidence.append(f"{latency.num_preemptions} preemptions: the KV pool ran out with "
+                        f"requests running ({latency.num_preempted_requests} requests thrown back)")
+    if batching.kv_blocked_share >= KV_BLOCKED_SHARE:
+        evidence.append(f"requests waited for KV blocks in {batching.waited_steps['kv_pool']} of "
+                        f"{batching.num_steps} steps ({batching.kv_blocked_share:.0%}) while the "
+                        f"token budget and max_num_seqs had room")
+    if evidence:
+        evidence.append(f"the pool holds {memory.kv_pool_tokens:,} tokens = "
+                        f"{memory.requests_in_pool:.1f} average requests; peak use "
+                        f"{memory.peak_kv_share:.0%}")
+        return "capacity", evidence
+    if batching.prefill_time_share >= PREFILL_TIME_SHARE:
+        evidence.append(f"{batching.prefill_time_share:.0%} of the busy time computed prompt "
+                        f"tokens (prefill)")
+        if batching.mfu is not None:
+            evidence.append(f"those steps ran at {batching.mfu:.0%} of the peak FLOP rate (MFU)")
+        if latency.first_token_share is not None:
+            evidence.append(f"the wait before the first token is {latency.first_token_share:.0%} "
+                            f"of the end-to-end time")
+        return "compute", evidence
+    evidence.append(f"{1 - batching.prefill_time_share:.0%} of the busy time went to decode steps, "
+                    f"mean decode batch {_num(batching.mean_decode_batch, '.1f')}")
+    if batching.mbu is not None:
+        evidence.append(f"decode steps moved {batching.mbu:.0%} of the memory bandwidth (MBU)")
+    if batching.queueing_share_of_ttft is not None:
+        evidence.append(f"queueing is {batching.queueing_share_of_ttft:.0%} of TTFT: batches formed")
+    return "bandwidth", evidence
+
+
+# --- Formatting ----------------------------------------------------------------------------------
+
+def _seconds(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1e3:,.1f} ms" if x < 1 else f"{x:,.2f} s"
+
+
+def _dist(d: dict | None) -> str:
+    if d is None:
+        return "-"
+    return f"mean {_seconds(d['mean'])}, p50 {_seconds(d['p50'])}, p90 {_seconds(d['p90'])}"
+
+
+def _num(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _bytes(x: float | None) -> str:
+    return "-" if x is None else fmt_bytes(x)
+
+
+# --- python -m minillm diagnose ------------------------------------------------------------------
+
+def add_cli(subparsers) -> None:
+    """Register ``diagnose RECORD.json`` on the ``python -m minillm`` subparsers."""
+    cmd = subparsers.add_parser("diagnose", help="which wall a run hit, from its metrics record "
+                                                 "(minillm.lab.records.save_run)")
+    cmd.add_argument("record", help="the JSON metrics record of a run")
+    cmd.add_argument("--bandwidth", type=float, help="memory bandwidth in GB/s to compare decode "
+                                                     "steps with (default: the GPU's spec row)")
+    cmd.add_argument("--peak-tflops", type=float, help="matrix rate in TFLOP/s to compare prompt "
+                                                       "steps with (default: the GPU's spec row)")
+    cmd.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    cmd.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    """Print the diagnosis; exit code 2 with a one-line reason for a bad record."""
+    try:
+        result = diagnose(args.record,
+                          bandwidth=args.bandwidth * 1e9 if args.bandwidth else None,
+                          peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.as_dict(), indent=2) if args.json else result.report())
+    return 0

@@ -1,0 +1,232 @@
+"""The ledger (chapter 为什么服务大模型难): back-of-envelope numbers from a model's config.
+
+Pure Python, no torch: every estimate in the book is computed here from a ``ModelConfig`` and a
+few hardware numbers, so prose, labs and tests quote the same arithmetic. Units: bytes, FLOPs,
+seconds; ``GB`` = 1e9 bytes, ``GiB`` = 2**30 bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minillm.engine.config import ModelConfig
+from minillm.engine.memory_plan import MemoryPlan
+from minillm.engine.units import GB, KiB, GiB, MiB, ceil_div, fmt_bytes, fmt_int, parse_size  # noqa: F401 (the ledger's units)
+
+DTYPE_BYTES = {"float64": 8, "fp64": 8, "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2,
+               "float16": 2, "fp16": 2, "float8": 1, "fp8": 1, "int8": 1}
+
+
+def dtype_bytes(dtype) -> int:
+    """Bytes per element of a dtype name (``"bf16"``, ``"float32"``) or a ``torch.dtype``."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPE_BYTES)})")
+    return DTYPE_BYTES[name]
+
+
+# --- Parameters and weights -------------------------------------------------------------------
+
+def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters by part, counted exactly (biases, norms, tied or untied embeddings)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attention = 2 * h * cfg.q_size + 2 * h * cfg.kv_size  # q, o and k, v projections
+    attention += (cfg.q_size + 2 * cfg.kv_size) * cfg.qkv_bias + h * cfg.o_bias
+    mlp = 3 * h * cfg.intermediate_size + (2 * cfg.intermediate_size + h) * cfg.mlp_bias
+    norms = 2 * h + 2 * d * cfg.qk_norm
+    return {
+        "embedding": cfg.vocab_size * h,
+        "attention": cfg.num_layers * attention,
+        "mlp": cfg.num_layers * mlp,
+        "norms": cfg.num_layers * norms + h,
+        "lm_head": 0 if cfg.tie_word_embeddings else cfg.vocab_size * h,
+    }
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Total parameters, as ``sum(p.numel() for p in model.parameters())`` would count them."""
+    return sum(param_breakdown(cfg).values())
+
+
+def matmul_param_count(cfg: ModelConfig) -> int:
+    """Weights that take part in a matrix multiply per token: every linear layer and the output
+    projection (tied or not); the input embedding is a table lookup, norms and biases are adds."""
+    h = cfg.hidden_size
+    per_layer = 2 * h * cfg.q_size + 2 * h * cfg.kv_size + 3 * h * cfg.intermediate_size
+    return cfg.num_layers * per_layer + cfg.vocab_size * h
+
+
+def weight_bytes(cfg: ModelConfig, dtype="bf16") -> int:
+    """Bytes of all weights stored in ``dtype``."""
+    return param_count(cfg) * dtype_bytes(dtype)
+
+
+# --- FLOPs ------------------------------------------------------------------------------------
+
+def matmul_flops_per_token(cfg: ModelConfig) -> int:
+    """One multiply-add (2 FLOPs) per matmul weight per token."""
+    return 2 * matmul_param_count(cfg)
+
+
+def attention_flops_per_token(cfg: ModelConfig, ctx: int) -> int:
+    """QK^T and PV for one new token attending to ``ctx`` positions: 4·L·c·n_h·d."""
+    return 4 * cfg.num_layers * ctx * cfg.num_heads * cfg.head_dim
+
+
+def prefill_attention_flops(cfg: ModelConfig, n: int) -> int:
+    """Causal attention of an ``n``-token prompt: token i attends to i+1 positions."""
+    return attention_flops_per_token(cfg, 1) * n * (n + 1) // 2
+
+
+# --- KV cache ---------------------------------------------------------------------------------
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype="bf16") -> int:
+    """K and V for every layer and KV head: 2·L·n_kv·d·bytes."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes(dtype)
+
+
+def kv_bytes(cfg: ModelConfig, tokens: int, dtype="bf16") -> int:
+    """KV bytes of ``tokens`` tokens (one request of that context, or many summed)."""
+    return tokens * kv_bytes_per_token(cfg, dtype)
+
+
+def preallocation_waste(reserved_tokens: int, used_tokens: int) -> float:
+    """Share of a pre-allocated KV reservation that holds no token."""
+    if not 0 <= used_tokens <= reserved_tokens or reserved_tokens <= 0:
+        raise ValueError(f"need 0 <= used ({used_tokens}) <= reserved ({reserved_tokens}), reserved > 0")
+    return 1 - used_tokens / reserved_tokens
+
+
+# --- Roofline: prefill and decode -------------------------------------------------------------
+
+def ridge_point(peak_flops: float, bandwidth: float) -> float:
+    """FLOP per byte at which a device turns from bandwidth-bound to compute-bound (P / W)."""
+    return peak_flops / bandwidth
+
+
+def attainable_flops(intensity: float, peak_flops: float, bandwidth: float) -> float:
+    """The roofline: min(P, I·W)."""
+    return min(peak_flops, intensity * bandwidth)
+
+
+@dataclass(frozen=True)
+class PrefillEstimate:
+    """One forward over an ``n``-token prompt."""
+
+    n: int
+    linear_flops: int
+    attention_flops: int
+    weight_bytes: int
+    kv_write_bytes: int
+
+    @property
+    def flops(self) -> int:
+        return self.linear_flops + self.attention_flops
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.kv_write_bytes
+
+    @property
+    def intensity(self) -> float:
+        """Linear FLOPs per weight byte: about n (the seeds' measure)."""
+        return self.linear_flops / self.weight_bytes
+
+    def time_floor(self, peak_flops: float, bandwidth: float) -> float:
+        """Seconds no device with these ceilings can beat: max(F / P, M / W)."""
+        return max(self.flops / peak_flops, self.bytes / bandwidth)
+
+
+def prefill(cfg: ModelConfig, n: int, dtype="bf16") -> PrefillEstimate:
+    """The ledger of prefilling one ``n``-token prompt."""
+    return PrefillEstimate(n, n * matmul_flops_per_token(cfg), prefill_attention_flops(cfg, n),
+                           weight_bytes(cfg, dtype), kv_bytes(cfg, n, dtype))
+
+
+def prefill_crossover(cfg: ModelConfig, peak_flops: float, bandwidth: float, dtype="bf16") -> int:
+    """The shortest prompt whose prefill takes longer to compute than to read (F/P >= M/W):
+    below it prefill is bandwidth-bound, from it on compute-bound (chapter 预填充)."""
+    def compute_bound(n):
+        est = prefill(cfg, n, dtype)
+        return est.flops / peak_flops >= est.bytes / bandwidth
+
+    high = 1
+    while not compute_bound(high):
+        high *= 2
+    low = high // 2  # not compute-bound (or 0)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if compute_bound(mid) else (mid, high)
+    return high
+
+
+@dataclass(frozen=True)
+class DecodeEstimate:
+    """One decode step: ``batch`` requests each add one token at context ``ctx``."""
+
+    batch: int
+    ctx: int
+    weight_bytes: int
+    kv_read_bytes: int
+    linear_flops: int
+    attention_flops: int
+    bandwidth: float
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.kv_read_bytes
+
+    @property
+    def flops(self) -> int:
+        return self.linear_flops + self.attention_flops
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes
+
+    @property
+    def kv_intensity(self) -> float:
+        """Attention FLOPs per KV byte read: n_h / n_kv in 2-byte KV, whatever the batch."""
+        return self.attention_flops / self.kv_read_bytes
+
+    @property
+    def time_floor(self) -> float:
+        """Seconds to read the step's bytes at ``bandwidth``."""
+        return self.bytes / self.bandwidth
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Upper bound on aggregate decode tok/s: batch / time floor."""
+        return self.batch / self.time_floor
+
+
+def decode_step(cfg: ModelConfig, batch: int, ctx: int, bandwidth: float, dtype="bf16") -> DecodeEstimate:
+    """The ledger of one decode step for ``batch`` requests at context ``ctx``, bandwidth W B/s."""
+    if batch < 1 or ctx < 1 or bandwidth <= 0:
+        raise ValueError(f"need batch >= 1, ctx >= 1, bandwidth > 0; got {batch}, {ctx}, {bandwidth}")
+    return DecodeEstimate(batch, ctx, weight_bytes(cfg, dtype), batch * kv_bytes(cfg, ctx, dtype),
+                          batch * matmul_flops_per_token(cfg),
+                          batch * attention_flops_per_token(cfg, ctx), bandwidth)
+
+
+# --- Memory budget ----------------------------------------------------------------------------
+
+def memory_budget(cfg: ModelConfig, gpu_memory, utilization: float = 0.92, dtype="bf16",
+                  kv_dtype=None, kv_config: ModelConfig | None = None) -> MemoryPlan:
+    """The ledger's bound on a card of ``gpu_memory`` bytes (or ``"24GiB"``) at ``utilization``:
+    budget minus weights, all of it KV, counted per token (``block_size=1``). The planner
+    (``minillm.engine.planner``) takes the activation peak and the memory outside PyTorch off too.
+    ``kv_config``: count the KV of another shape on the same leftover (the seeds' MHA variant)."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+    total = parse_size(gpu_memory)
+    return MemoryPlan.cut(total_bytes=total, utilization=utilization, weight_bytes=weight_bytes(cfg, dtype),
+                          activation_peak_bytes=0, other_bytes=0, block_size=1,
+                          bytes_per_block=kv_bytes_per_token(kv_config or cfg, kv_dtype or dtype), max_model_len=None,
+                          max_position_embeddings=cfg.max_position_embeddings, model=cfg.name,
+                          device=f"{fmt_bytes(total)} card (ledger)", dtype=str(dtype),
+                          max_num_batched_tokens=0, source="ledger")
+
+
+def paged_waste_tokens(lengths, block_size: int) -> int:
+    """Slots allocated but unused when each request takes whole blocks: < one block each."""
+    return sum(ceil_div(n, block_size) * block_size - n for n in lengths)

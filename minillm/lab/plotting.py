@@ -1,0 +1,132 @@
+"""One figure style for the whole book (all chapters' labs).
+
+Chinese labels need a CJK font. The pinned PyPI package ``mplfonts`` ships Noto Sans CJK SC; this
+module registers that file with matplotlib directly (no network, no ``mplfonts init``), so a
+fresh machine renders every figure without missing-glyph boxes.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import matplotlib
+from cycler import cycler
+from matplotlib import font_manager
+
+CJK_FONT_NAME = "Noto Sans CJK SC"
+CJK_FONT_FILE = "NotoSansCJKsc-Regular.otf"
+
+# Okabe-Ito: distinguishable with every common form of color blindness, and in grayscale print.
+PALETTE = ["#0072B2", "#D55E00", "#009E73", "#E69F00", "#56B4E9", "#CC79A7", "#F0E442", "#000000"]
+# The same meaning gets the same color in every chapter's "estimate | measured | recorded" plots.
+ROLE_COLORS = {"estimate": "#0072B2", "measured": "#D55E00", "recorded": "#009E73"}
+
+BOOK_RC = {
+    "font.family": "sans-serif",
+    "font.sans-serif": [CJK_FONT_NAME, "DejaVu Sans"],  # DejaVu as fallback for rare symbols
+    "axes.unicode_minus": False,  # the CJK font has no U+2212 minus sign
+    "figure.figsize": (6.4, 4.0),
+    "figure.dpi": 100,
+    "figure.constrained_layout.use": True,
+    "savefig.dpi": 150,
+    "font.size": 10,
+    "axes.titlesize": 12,
+    "axes.labelsize": 10.5,
+    "xtick.labelsize": 9,
+    "ytick.labelsize": 9,
+    "legend.fontsize": 9,
+    "legend.frameon": False,
+    "axes.prop_cycle": cycler(color=PALETTE),
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "grid.linewidth": 0.6,
+    "lines.linewidth": 1.8,
+    "lines.markersize": 5,
+}
+
+
+def cjk_font_path() -> Path:
+    """The Noto Sans CJK SC file inside the installed ``mplfonts`` package."""
+    spec = importlib.util.find_spec("mplfonts")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("the book's figures need the CJK font of the PyPI package "
+                                  "'mplfonts' (pip install -r requirements.txt)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "fonts" / CJK_FONT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: reinstall mplfonts (pip install -r requirements.txt)")
+    return path
+
+
+def use_book_style() -> None:
+    """Register the CJK font and set the book's figure style (safe to call more than once)."""
+    path = str(cjk_font_path())
+    if not any(font.fname == path for font in font_manager.fontManager.ttflist):
+        font_manager.fontManager.addfont(path)
+    matplotlib.rcParams.update(BOOK_RC)
+
+
+def plot_roofline(ax, specs, probe, prefill_points=(), decode_points=(), on=None):
+    """The roofline min(P, I·W) of each GPU spec (grey) and of this device's probe (in color).
+
+    ``prefill_points`` / ``decode_points`` are (label, intensity) pairs placed on the roofline of
+    the spec ``on`` (circles for prefill, triangles for decode).
+    """
+    import numpy as np
+
+    from minillm.lab.estimate import attainable_flops
+
+    intensity = np.logspace(-1, 4.5, 200)
+    for spec in specs:
+        ax.plot(intensity, [attainable_flops(i, spec.bf16_flops, spec.bandwidth) / 1e12 for i in intensity],
+                lw=1, alpha=0.45, color="#777777")
+        ax.annotate(spec.name, (intensity[-1], spec.bf16_dense_tflops), fontsize=7, color="#555555",
+                    xytext=(2, 0), textcoords="offset points", va="center")
+    ax.plot(intensity, [attainable_flops(i, probe.matmul_flops, probe.copy_bandwidth) / 1e12 for i in intensity],
+            color=ROLE_COLORS["measured"], lw=2.2, label=f"本机实测（{probe.device}）")
+    if on is not None:
+        for points, marker, color, dy in ((prefill_points, "o", ROLE_COLORS["estimate"], 6),
+                                          (decode_points, "^", ROLE_COLORS["recorded"], -12)):
+            for label, i in points:
+                rate = attainable_flops(i, on.bf16_flops, on.bandwidth) / 1e12
+                ax.plot(i, rate, marker, color=color)
+                ax.annotate(label, (i, rate), xytext=(0, dy), textcoords="offset points", fontsize=7, ha="center")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("算术强度（FLOP/字节）")
+    ax.set_ylabel("可达速率（TFLOP/s）")
+    ax.legend(loc="lower right")
+
+
+MEMORY_SEGMENTS = (("权重", "weight_bytes", "#0072B2"), ("激活峰值", "activation_peak_bytes", "#D55E00"),
+                   ("PyTorch 之外", "other_bytes", "#CC79A7"), ("KV 块", "kv_cache_bytes", "#009E73"),
+                   ("未用", "unused_bytes", "#DDDDDD"))
+
+
+def plot_memory_plans(ax, plans, min_share: float = 7.0) -> None:
+    """Where each card's memory goes, one stacked bar per ``(label, MemoryPlan)`` in ``plans``
+    (a list of pairs or a dict), as shares of the whole card so cards of any size compare: weights,
+    activation peak, memory outside PyTorch, KV blocks, unused (chapter 一张 24 GiB 的卡放 8B 模型).
+
+    The ledger's plan has no activation peak and nothing outside PyTorch; segments wider than
+    ``min_share`` percent are labelled with their bytes.
+    """
+    from minillm.engine.units import fmt_bytes
+
+    plans = list(plans.items()) if isinstance(plans, dict) else list(plans)
+    for row, (_, plan) in enumerate(plans):
+        left = 0.0
+        for label, field, color in MEMORY_SEGMENTS:
+            size = getattr(plan, field)
+            share = 100 * size / plan.total_bytes
+            ax.barh(row, share, left=left, color=color, edgecolor="white", label=label if row == 0 else None)
+            if share > min_share:
+                ax.text(left + share / 2, row, fmt_bytes(size), ha="center", va="center", fontsize=7.5)
+            left += share
+    ax.set_yticks(range(len(plans)), [label for label, _ in plans], fontsize=8.5)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("占整张卡的比例（%）")
+    ax.grid(False)
+    ax.legend(ncols=len(MEMORY_SEGMENTS), loc="upper center", bbox_to_anchor=(0.5, -0.22), fontsize=8)

@@ -1,0 +1,100 @@
+"""The package's layout: the engine stands alone, the ledger needs no torch, one function builds the
+attention metadata, and the labs share one setup instead of copies."""
+import ast
+import json
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = ROOT / "minillm" / "engine"
+NOT_FOR_THE_ENGINE = ("minillm.lab", "minillm.server", "matplotlib", "myst_nb", "ipywidgets", "IPython")
+PURE_PYTHON = ("minillm.lab.estimate", "minillm.lab.gpus", "minillm.engine.engine_config",
+               "minillm.engine.memory_plan", "minillm.engine.paging")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at any depth of the file (``from a import b`` gives a and a.b)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("path", sorted(ENGINE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_engine_imports_neither_the_kit_nor_the_book_stack(path):
+    bad = [m for m in imported_modules(path) if m.startswith(NOT_FOR_THE_ENGINE)]
+    assert not bad, f"{path.name} imports {bad}"
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_the_engine_loads_without_the_book_stack():
+    engine_modules = sorted("minillm.engine." + ".".join(p.relative_to(ENGINE).with_suffix("").parts)
+                            for p in ENGINE.rglob("*.py") if p.name != "__init__.py")
+    code = (f"import importlib, sys\nfor m in {engine_modules!r}: importlib.import_module(m)\n"
+            f"import minillm\nminillm.LLM, minillm.generate\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({NOT_FOR_THE_ENGINE!r})))")
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_ledger_imports_where_there_is_no_torch():
+    """A finder that refuses torch: the ledger, the spec table and the pure settings still import."""
+    code = ("import sys\nclass NoTorch:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('torch', 'triton', 'numpy'): raise ImportError('no ' + name)\n"
+            "sys.meta_path.insert(0, NoTorch())\n"
+            f"import importlib\nfor m in {PURE_PYTHON!r}: importlib.import_module(m)\n"
+            "import minillm\nfrom minillm.lab import estimate\nfrom minillm.engine.config import load_config\n"
+            "print(estimate.fmt_int(estimate.memory_budget(load_config('llama-3.1-8b'), '24GiB').tokens))")
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "58,347"
+    assert "torch" in run_python("from minillm import LLM; import sys; print(sorted(sys.modules))").stdout
+
+
+def test_attention_metadata_is_built_in_one_function():
+    builders = []
+    for path in sorted((ROOT / "minillm").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            for func in (n for n in ast.walk(node) if isinstance(n, ast.FunctionDef)):
+                if any(isinstance(c, ast.Call) and getattr(c.func, "id", None) == "AttentionMetadata"
+                       for c in ast.walk(func)):
+                    builders.append(f"{path.name}:{func.name}")
+    assert sorted(set(builders)) == ["attention_metadata.py:build"]
+
+
+def notebook_code(path: Path) -> str:
+    cells = json.loads(path.read_text())["cells"]
+    return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_labs_start_with_the_one_setup_and_read_no_environment(path):
+    code = notebook_code(path)
+    assert "setup(" in code and "from minillm.lab.notebook import" in code
+    for forbidden in ("os.environ", "getenv", "MINILLM_", "set_num_threads"):
+        assert forbidden not in code, f"{path.name} uses {forbidden}"
+
+
+def test_no_function_is_defined_in_two_labs():
+    defined = Counter()
+    for path in NOTEBOOKS:
+        defined.update(set(re.findall(r"^def (\w+)\(", notebook_code(path), re.M)))
+    twins = sorted(name for name, count in defined.items() if count > 1)
+    assert not twins, f"defined in more than one lab: {twins} (move them to minillm/lab/notebook.py)"
