@@ -1,4 +1,4 @@
-"""``python -m minillm estimate|plan|generate|bench|diagnose ...``: the one command line."""
+"""``python -m minillm estimate|plan|generate|bench|diagnose|serve|loadgen ...``: the one command line."""
 from __future__ import annotations
 
 import argparse
@@ -175,13 +175,18 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--dtype", choices=sorted(TORCH_DTYPES), help="default: the model's")
     pln.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pln.set_defaults(func=cmd_plan)
-    from minillm.lab import bench, bench_host, bench_plan, bench_throughput, diagnose
+    from minillm.lab import bench, bench_host, bench_plan, bench_serve, bench_throughput, diagnose, loadgen
 
     bench_commands = bench.add_cli(commands)
     bench_host.add_cli(bench_commands)
     bench_throughput.add_cli(bench_commands)
     bench_plan.add_cli(bench_commands)
+    bench_serve.add_cli(bench_commands)
     diagnose.add_cli(commands)
+    loadgen.add_cli(commands)
+    from minillm.server import cli as server_cli
+
+    server_cli.add_cli(commands)
     return parser
 
 

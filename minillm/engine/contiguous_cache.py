@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from minillm.engine.config import ModelConfig
+from minillm.engine.engine_config import check_positive_int
 from minillm.engine.kv_cache import KVCache
 
 
@@ -18,9 +19,8 @@ class ContiguousKVCache(KVCache):
 
     def __init__(self, config: ModelConfig, num_requests: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        for name, value in (("num_requests", num_requests), ("max_len", max_len)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_positive_int("num_requests", num_requests)
+        check_positive_int("max_len", max_len)
         super().__init__(config, num_requests, max_len, dtype, device)
         self.max_len = max_len
         self._row_of: dict = {}  # request id -> its block (row)

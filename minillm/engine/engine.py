@@ -75,14 +75,16 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        token_ids = self._token_ids(prompt)
+        token_ids = self.prompt_token_ids(prompt)
         self.scheduler.check_request(str(request_id), len(token_ids))
         request = Request(str(request_id), token_ids, params, arrival_time=arrival)
         request.metrics.tokenized_time = self.now()
         self.scheduler.add_request(request)
         self.runner.add_generator(request.request_id, params.seed)
 
-    def _token_ids(self, prompt) -> list[int]:
+    def prompt_token_ids(self, prompt) -> list[int]:
+        """A prompt (text, or token ids) as token ids checked against the vocabulary;
+        ``ValueError`` if they are not. Reads only the model, so any thread may call it."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is text but the model has no tokenizer: pass token ids")

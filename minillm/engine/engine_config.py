@@ -33,7 +33,7 @@ class EngineConfig:
 
     block_size: int = 16  # token slots per KV block
     num_kv_blocks: int | None = None  # None: the planner sizes the pool from the card's memory
-    max_model_len: int | None = None  # longest request; None: what the plan or model allows; -1: the longest that fits
+    max_model_len: int | None = None  # longest request; None: what the plan or model allows; -1: longest that fits
     max_num_seqs: int = 256  # requests running at once
     max_num_batched_tokens: int = 2048  # tokens one step may compute (the token budget)
     gpu_memory_utilization: float = 0.92  # share of the card the engine may use
@@ -45,7 +45,7 @@ class EngineConfig:
     num_cpu_blocks: int | None = None  # swap pool; None: as large as the GPU pool, at most 4 GiB
     scheduling: str = "continuous"  # or "static", the baseline of chapter 调度
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
-    cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16, ... on CUDA
+    cuda_graph_sizes: tuple[int, ...] | None = None  # decode batches to capture; None: 1, 2, 4, 8, 16... on CUDA
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

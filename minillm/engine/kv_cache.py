@@ -18,6 +18,7 @@ import torch
 
 from minillm.engine.attention_metadata import AttentionMetadata, StepBuilder
 from minillm.engine.config import ModelConfig
+from minillm.engine.engine_config import check_positive_int
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -30,9 +31,8 @@ class KVCache(ABC):
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_positive_int("num_blocks", num_blocks)
+        check_positive_int("block_size", block_size)
         self.config = config
         self.block_size = block_size
         self.kv = torch.zeros(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,

@@ -162,7 +162,8 @@ class MemoryPlan:
     def as_dict(self) -> dict:
         """Fields and derived numbers, for JSON records."""
         derived = {name: getattr(self, name) for name in
-                   ("profiled", "budget_bytes", "kv_budget_bytes", "kv_cache_bytes", "unused_bytes", "tokens")}
+                   ("profiled", "budget_bytes", "kv_budget_bytes", "kv_cache_bytes", "unused_bytes",
+                    "tokens")}
         return {**dataclasses.asdict(self), **derived}
 
     def rows(self, contexts=(1024, 4096, 8192)) -> list[tuple[str, str]]:

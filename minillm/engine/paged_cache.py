@@ -105,7 +105,8 @@ class PagedKVCache(KVCache):
     def _take_row(self) -> int:
         if not self._free_rows:  # give back the rows of requests that no longer hold blocks
             for request_id, entry in list(self._rows.items()):
-                if request_id not in self.manager or self.manager.request_blocks(request_id) is not entry.owner:
+                if (request_id not in self.manager
+                        or self.manager.request_blocks(request_id) is not entry.owner):
                     self._free_rows.append(self._rows.pop(request_id).row)
         if not self._free_rows:  # more requests hold blocks than there are rows: double the rows
             rows = self._table.shape[0]

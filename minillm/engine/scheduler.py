@@ -68,7 +68,8 @@ class Scheduler:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         # Swapped-out KV lives in a second pool, managed with the same block bookkeeping.
-        self.cpu_kv = (KVCacheManager(config.num_cpu_blocks, kv_manager.block_size, enable_prefix_caching=False)
+        self.cpu_kv = (KVCacheManager(config.num_cpu_blocks, kv_manager.block_size,
+                                      enable_prefix_caching=False)
                        if config.preemption_mode == "swap" and config.num_cpu_blocks else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
@@ -275,7 +276,8 @@ class Scheduler:
         params = request.params
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             return "stop"
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+        if (len(request.output_token_ids) >= params.max_tokens
+                or request.num_tokens >= self.config.max_model_len):
             return "length"
         return None
 

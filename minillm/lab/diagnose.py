@@ -21,12 +21,18 @@ From these it names the wall:
   and every running request's KV.
 
 The numbers behind the verdict are kept on the :class:`Diagnosis` and printed by ``report()``.
+
+``diagnose_client(record)`` reads what the load generator saw instead (a client run record,
+``minillm.lab.loadgen``): it answers question 1 from the clients' own times, names the capacity
+wall when the server's scraped metrics show it (preemptions, or a queue while the KV pool was
+full), and says plainly what a client cannot know (no step log, no ledger, no per-request split).
 """
 from __future__ import annotations
 
 import json
 import statistics
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 from minillm.engine.config import ModelConfig
@@ -36,7 +42,7 @@ from minillm.engine.units import fmt_bytes
 from minillm.lab import estimate as ledger
 from minillm.lab.gpus import find_gpu
 from minillm.lab.metrics import distribution
-from minillm.lab.records import load_run
+from minillm.lab.records import CLIENT_RUN_FORMAT, load_client_run, load_record, load_run
 
 SYMPTOMS = ("first_token", "tokens", "failure")
 WALLS = ("compute", "bandwidth", "capacity")
@@ -44,6 +50,7 @@ KV_BLOCKED_SHARE = 0.1  # steps in which the KV pool kept requests waiting: capa
 PREFILL_TIME_SHARE = 0.5  # busy time spent on prompt tokens: compute from here up
 HEAVY_PREEMPTIONS_PER_REQUEST = 0.5  # preemptions per request that users see as failure
 FIRST_TOKEN_SHARE = 0.5  # the wait before the first token, of end-to-end: first token slow from here up
+KV_FULL_SHARE = 0.9  # KV use from which requests left waiting mean the pool is the limit
 
 @dataclass(frozen=True)
 class Latency:
@@ -52,7 +59,7 @@ class Latency:
     num_requests: int
     num_aborted: int
     num_preemptions: int
-    num_preempted_requests: int
+    num_preempted_requests: int | None  # None: a client-side record cannot tell
     ttft: dict | None
     tpot: dict | None
     e2e: dict | None
@@ -379,6 +386,168 @@ def _wall(latency: Latency, memory: MemoryUse, batching: Batching) -> tuple[str,
     return "bandwidth", evidence
 
 
+# --- What a client saw (the load generator's record) ---------------------------------------------
+
+@dataclass(frozen=True)
+class ServerView:
+    """What the server's Prometheus metrics showed over a client run: counter deltas, gauge peaks
+    (sampled), and means of its own latency histograms."""
+
+    backend: str  # the metric prefix: "minillm" or "vllm"
+    num_preemptions: int
+    num_aborted: int  # requests the server counted as aborted (hang-ups included)
+    peak_kv_usage: float | None  # share of the KV blocks held
+    peak_waiting: float | None
+    peak_running: float | None
+    mean_ttft: float | None  # arrival at the engine to first token
+    mean_queue_time: float | None  # arrival at the engine to first scheduled
+    prefix_hit_share: float | None  # prompt tokens the prefix cache served
+
+
+@dataclass(frozen=True)
+class ClientDiagnosis:
+    """Question 1 from the clients' times; the capacity wall if the server's metrics show it."""
+
+    server: str
+    symptom: str  # one of SYMPTOMS
+    wall: str | None  # "capacity", or None: not decidable from the client side
+    latency: Latency  # over the requests that completed; num_aborted counts every failure
+    num_errors: int
+    errors_by_status: dict
+    num_hung_up: int
+    server_view: ServerView | None  # None: the server exported no metrics
+    extra_ttft: float | None  # the clients' mean TTFT (every request with a token) minus the server's
+    evidence: tuple[str, ...]
+    cannot_tell: tuple[str, ...]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def report(self) -> str:
+        lat, view = self.latency, self.server_view
+        lines = [f"minillm diagnose (client side): {lat.num_requests} requests to {self.server}",
+                 "", f"1. Which kind of slow: {_SYMPTOM_TEXT[self.symptom]}",
+                 f"   TTFT {_dist(lat.ttft)}", f"   TPOT {_dist(lat.tpot)}",
+                 f"   end-to-end {_dist(lat.e2e)}"]
+        if lat.first_token_share is not None:
+            lines.append(f"   the wait before the first token is {lat.first_token_share:.0%} of "
+                         f"the end-to-end time")
+        statuses = f" {self.errors_by_status}" if self.errors_by_status else ""
+        lines.append(f"   failed {lat.num_aborted} ({self.num_errors} errors{statuses}, "
+                     f"{lat.num_aborted - self.num_errors} aborted by the server); "
+                     f"{self.num_hung_up} clients hung up on purpose")
+        lines += ["", "2. What the server's metrics showed"]
+        if view is None:
+            lines.append("   nothing: the server exported no Prometheus metrics")
+        else:
+            lines += [f"   preemptions {view.num_preemptions}; peak KV use {_num(view.peak_kv_usage, '.0%')}; "
+                      f"peak waiting {_num(view.peak_waiting, '.0f')}, peak running "
+                      f"{_num(view.peak_running, '.0f')}",
+                      f"   its own TTFT: mean {_seconds(view.mean_ttft)}, of which queueing "
+                      f"{_seconds(view.mean_queue_time)}; prefix cache served "
+                      f"{_num(view.prefix_hit_share, '.0%')} of prompt tokens"]
+            if self.extra_ttft is not None:
+                lines.append(f"   the clients waited {_seconds(self.extra_ttft)} longer for the first "
+                             f"token on average: network, HTTP and the wait for the next step")
+        verdict = (f"{self.wall} ({_WALL_TEXT[self.wall]})" if self.wall else
+                   f"not decidable from the client side; the time went mostly to "
+                   f"{_LEAN_TEXT[self.symptom]}")
+        lines += ["", f"Wall: {verdict}"] + [f"   - {line}" for line in self.evidence]
+        lines += ["", "What a client-side record cannot tell:"] + [f"   - {line}" for line in self.cannot_tell]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+_LEAN_TEXT = {"first_token": "the first token: prompts being computed (compute) or the queue",
+              "tokens": "the tokens after the first: decode steps (bandwidth)",
+              "failure": "failed requests"}
+_CANNOT_TELL = (
+    "how each request's TTFT splits into queueing, prompt computation and the network (the "
+    "server's histograms give means, not per request)",
+    "the batch of each step and what held requests back (the token budget or max_num_seqs), nor "
+    "whether steps were compute- or bandwidth-bound (MFU, MBU): that needs the engine's step log "
+    "(minillm.lab.records.save_run)",
+    "the memory ledger (weights, KV bytes per token, the pool in bytes): /metrics gives KV use "
+    "as a share only",
+    "short peaks between two samples of the gauges")
+
+
+def diagnose_client(record) -> ClientDiagnosis:
+    """Diagnose a load generator run: ``record`` is ``loadgen.run_load``'s result or its JSON."""
+    record = load_client_run(record)
+    requests = record["requests"]
+    completed = [r for r in requests if r["error"] is None and not r["hung_up"]
+                 and r["finish_reason"] in ("stop", "length")]
+    errors = [r for r in requests if r["error"] is not None]
+    aborted = [r for r in requests if r["error"] is None and not r["hung_up"] and r["finish_reason"] == "abort"]
+    view = _server_view(record["server_metrics"], record["server"]["backend"])
+    share = None
+    if sum(r["e2e"] for r in completed) > 0:
+        share = sum(r["ttft"] or 0.0 for r in completed) / sum(r["e2e"] for r in completed)
+    latency = Latency(
+        num_requests=len(requests), num_aborted=len(errors) + len(aborted),
+        num_preemptions=view.num_preemptions if view else 0, num_preempted_requests=None,
+        **{name: distribution([r[name] for r in completed if r[name] is not None])
+           for name in ("ttft", "tpot", "e2e")},
+        first_token_share=share)
+    wall, evidence = _client_wall(view)
+    statuses = dict(sorted(Counter(str(r["error"]["status"]) for r in errors).items()))
+    server = f"{record['server']['url']} ({record['server']['model']})"
+    ttfts = [r["ttft"] for r in requests if r["ttft"] is not None]
+    extra_ttft = (statistics.fmean(ttfts) - view.mean_ttft
+                  if ttfts and view is not None and view.mean_ttft is not None else None)
+    cannot_tell = _CANNOT_TELL if view else ("anything the server saw: it exported no Prometheus "
+                                             "metrics (queue, KV use, preemptions)",) + _CANNOT_TELL
+    return ClientDiagnosis(server, _symptom(latency), wall, latency, len(errors), statuses,
+                           sum(r["hung_up"] for r in requests), view, extra_ttft, tuple(evidence),
+                           cannot_tell)
+
+
+def _server_view(metrics: dict | None, backend: str | None) -> ServerView | None:
+    if not metrics:
+        return None
+    delta, samples = metrics["delta"], metrics["samples"]
+
+    def peak(gauge):
+        return max((s[gauge] for s in samples if s.get(gauge) is not None), default=None)
+
+    def mean(histogram):
+        count = delta.get(f"{histogram}_count", 0)
+        return delta[f"{histogram}_sum"] / count if count else None
+
+    queries = delta.get("prefix_cache_queries_total", 0)
+    return ServerView(
+        backend=backend, num_preemptions=round(delta.get("num_preemptions_total", 0)),
+        num_aborted=round(delta.get("request_success_total.abort", 0)),
+        peak_kv_usage=peak("kv_cache_usage_perc"), peak_waiting=peak("num_requests_waiting"),
+        peak_running=peak("num_requests_running"), mean_ttft=mean("time_to_first_token_seconds"),
+        mean_queue_time=mean("request_queue_time_seconds"),
+        prefix_hit_share=delta.get("prefix_cache_hits_total", 0) / queries if queries else None)
+
+
+def _client_wall(view: ServerView | None) -> tuple[str | None, list[str]]:
+    """Capacity when the metrics show the KV pool ran out; otherwise undecided, with the reasons."""
+    if view is None:
+        return None, ["the server exported no metrics: only the clients' times are known"]
+    evidence = []
+    if view.num_preemptions:
+        evidence.append(f"{view.num_preemptions} preemptions: the KV pool ran out with requests running")
+    if view.peak_kv_usage is not None and view.peak_kv_usage >= KV_FULL_SHARE and view.peak_waiting:
+        evidence.append(f"KV use peaked at {view.peak_kv_usage:.0%} while up to "
+                        f"{view.peak_waiting:.0f} requests waited")
+    if evidence:
+        return "capacity", evidence
+    evidence.append(f"no preemption, and KV use peaked at {_num(view.peak_kv_usage, '.0%')}: the "
+                    f"pool was not the limit")
+    if view.mean_queue_time is not None and view.mean_ttft:
+        evidence.append(f"queueing was {view.mean_queue_time / view.mean_ttft:.0%} of the server's "
+                        f"TTFT (up to {_num(view.peak_waiting, '.0f')} waiting): the token budget, "
+                        f"max_num_seqs or the prompts ahead held requests back")
+    return None, evidence
+
+
 # --- Formatting ----------------------------------------------------------------------------------
 
 def _seconds(x: float | None) -> str:
@@ -405,9 +574,9 @@ def _bytes(x: float | None) -> str:
 
 def add_cli(subparsers) -> None:
     """Register ``diagnose RECORD.json`` on the ``python -m minillm`` subparsers."""
-    cmd = subparsers.add_parser("diagnose", help="which wall a run hit, from its metrics record "
-                                                 "(minillm.lab.records.save_run)")
-    cmd.add_argument("record", help="the JSON metrics record of a run")
+    cmd = subparsers.add_parser("diagnose", help="which wall a run hit, from its run record "
+                                                 "(records.save_run) or a loadgen record")
+    cmd.add_argument("record", help="the JSON run record of an engine run or of python -m minillm loadgen")
     cmd.add_argument("--bandwidth", type=float, help="memory bandwidth in GB/s to compare decode "
                                                      "steps with (default: the GPU's spec row)")
     cmd.add_argument("--peak-tflops", type=float, help="matrix rate in TFLOP/s to compare prompt "
@@ -419,9 +588,10 @@ def add_cli(subparsers) -> None:
 def run_cli(args) -> int:
     """Print the diagnosis; exit code 2 with a one-line reason for a bad record."""
     try:
-        result = diagnose(args.record,
-                          bandwidth=args.bandwidth * 1e9 if args.bandwidth else None,
-                          peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None)
+        record = load_record(args.record)
+        result = diagnose_client(record) if record["format"] == CLIENT_RUN_FORMAT else diagnose(
+            record, bandwidth=args.bandwidth * 1e9 if args.bandwidth else None,
+            peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

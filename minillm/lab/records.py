@@ -9,6 +9,11 @@ Two kinds of record, one module:
 * **Run records** (``format: minillm-run-metrics``): one run of the engine, its settings, memory,
   step log and finished requests, written by :func:`save_run` and read back by :func:`load_run`
   (what ``python -m minillm diagnose`` reads).
+* **Client run records** (``format: minillm-client-run``): one run of the load generator against
+  a server (``minillm.lab.loadgen``), what each request's client saw (TTFT, TPOT, end-to-end,
+  errors) and, when the server exports Prometheus metrics, its counters before and after and its
+  gauges sampled during the run; :func:`save_client_run` and :func:`load_client_run`.
+  ``python -m minillm diagnose`` reads either kind (:func:`load_record`).
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from minillm.lab.metrics import summarize
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MEASUREMENTS_DIR = REPO_ROOT / "data" / "measurements"
 RUN_FORMAT = "minillm-run-metrics"
+CLIENT_RUN_FORMAT = "minillm-client-run"
 
 
 # --- Benchmark records ----------------------------------------------------------------------------
@@ -154,6 +160,9 @@ REQUIRED = {  # what a run record must hold, by section
              "num_running", "num_waiting"),
     "request": ("request_id", "finish_reason", "num_prompt_tokens", "num_output_tokens",
                 "queueing", "ttft", "e2e"),
+    "client_record": ("server", "workload", "duration_s", "requests", "server_metrics"),
+    "client_request": ("start", "num_prompt_tokens", "num_output_tokens", "ttft", "tpot", "e2e",
+                       "finish_reason", "error", "hung_up"),
 }
 
 
@@ -190,8 +199,8 @@ def save_run(engine, path: str | Path, slo=None) -> Path:
     return _write_json(path, run_record(engine, slo))
 
 
-def load_run(record) -> dict:
-    """A run record dict as is, or read from a path; ``ValueError`` naming what is wrong or missing."""
+def _read(record) -> dict:
+    """A record dict as is, or read from a path."""
     if isinstance(record, (str, Path)):
         path = Path(record)
         try:
@@ -202,6 +211,19 @@ def load_run(record) -> dict:
             raise ValueError(f"the run record {path} is not JSON ({err})") from None
     if not isinstance(record, dict):
         raise ValueError(f"a run record is a JSON object, got {type(record).__name__}")
+    return record
+
+
+def load_record(record) -> dict:
+    """A run record or a client run record (by its ``format``), checked as :func:`load_run` or
+    :func:`load_client_run` checks it."""
+    record = _read(record)
+    return load_client_run(record) if record.get("format") == CLIENT_RUN_FORMAT else load_run(record)
+
+
+def load_run(record) -> dict:
+    """A run record dict as is, or read from a path; ``ValueError`` naming what is wrong or missing."""
+    record = _read(record)
     if record.get("format") != RUN_FORMAT:
         raise ValueError(f"not a minillm run record: format is {record.get('format')!r}, expected "
                          f"{RUN_FORMAT!r} (written by minillm.lab.records.save_run)")
@@ -223,6 +245,28 @@ def load_run(record) -> dict:
         missing += _missing(request, "request", f"requests[{i}].")
     if missing:
         raise ValueError(f"incomplete run record: missing {', '.join(missing[:5])}"
+                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    return record
+
+
+def save_client_run(record: dict, path: str | Path) -> Path:
+    """Write a client run record (``minillm.lab.loadgen.run_load``'s result) as JSON to ``path``."""
+    return _write_json(path, load_client_run(record))
+
+
+def load_client_run(record) -> dict:
+    """A client run record dict as is, or read from a path; ``ValueError`` naming what is wrong."""
+    record = _read(record)
+    if record.get("format") != CLIENT_RUN_FORMAT:
+        raise ValueError(f"not a minillm client run record: format is {record.get('format')!r}, "
+                         f"expected {CLIENT_RUN_FORMAT!r} (written by python -m minillm loadgen)")
+    missing = _missing(record, "client_record", "")
+    if not missing and (not isinstance(record["requests"], list) or not record["requests"]):
+        raise ValueError("the client run record has no requests")
+    for i, request in enumerate(record.get("requests") or []):
+        missing += _missing(request, "client_request", f"requests[{i}].")
+    if missing:
+        raise ValueError(f"incomplete client run record: missing {', '.join(missing[:5])}"
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     return record
 

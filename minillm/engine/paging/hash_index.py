@@ -51,7 +51,8 @@ class HashPrefixIndex(PrefixIndex):
     def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], start: int = 0) -> list[int]:
         chunks = full_blocks(token_ids[start * self.block_size:], self.block_size)
         if len(chunks) != len(block_ids) - start:
-            raise ValueError(f"insert got {len(block_ids)} blocks for {start + len(chunks)} full blocks of tokens")
+            raise ValueError(f"insert got {len(block_ids)} blocks for {start + len(chunks)} full blocks "
+                             f"of tokens")
         parent_key = ROOT_KEY
         if start:  # the chain goes on from the key of the block before; none: it broke at a collision
             parent = self._entries.get(block_ids[start - 1])

@@ -1,0 +1,213 @@
+"""What the HTTP server costs over the engine (chapter: serving over HTTP).
+
+``python -m minillm bench serve`` runs the same requests two ways in one run: offline through
+``LLM.generate``, and online through ``python -m minillm serve`` (a subprocess) under the load
+generator (this process). It prints two comparisons:
+
+- **throughput**: output tokens per second with all requests arriving at once, the server's over
+  the offline engine's (the target: at least 0.9);
+- **TTFT**: the clients' median time to first token minus the engine's own median TTFT, for the
+  same requests arriving one by one, evenly spaced so that each finds the engine idle, and
+  replayed offline at the same times: what HTTP, the event loop and streaming add (the target: at
+  most 5 ms). Beside it, from
+  the same served run, the clients' mean TTFT over the mean the engine inside the server measured
+  (arrival at the handler to its first token): the same question without two runs to compare.
+
+The engine gets ``threads`` CPU threads on both sides (default 1): on a small CPU the HTTP front
+end and the load generator then have a core of their own, as they do beside a GPU, and the numbers
+measure the server rather than two programs fighting over two cores. Each side runs ``repeats``
+times, the two sides taking turns, and keeps its best run, so a busy moment of a shared machine
+does not land on one side only. Weights are random: neither number depends on their values.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from minillm.engine.device import resolve_device
+from minillm.engine.llm import LLM
+from minillm.engine.loader import TORCH_DTYPES, torch_dtype
+from minillm.engine.units import ceil_div
+from minillm.lab import loadgen, records
+from minillm.lab.workload import Workload
+from minillm.server.launcher import serve_in_background
+
+THROUGHPUT_TARGET = 0.9  # server tok/s over offline tok/s, at least
+TTFT_TARGET_S = 0.005  # added to the median TTFT, at most
+
+
+def bench_serve(model: str = "small", device=None, dtype=None, num_requests: int = 32,
+                input_len: int = 128, output_len: int = 32, latency_requests: int = 16,
+                latency_input_len: int = 32, latency_output_len: int = 4,
+                latency_rate: float = 2.0, repeats: int = 3,
+                threads: int | None = 1, block_size: int = 16, max_num_seqs: int = 256,
+                max_num_batched_tokens: int = 2048, seed: int = 0) -> dict:
+    """Offline and served runs of a burst (throughput) and of requests one by one (TTFT);
+    returns every run and the two comparisons. ``model``: a preset or a folder with config.json;
+    ``dtype``: a name (``"float32"``); ``threads``: the engine's CPU threads on both sides (None:
+    torch's default)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    device = resolve_device(device)
+    with torch_threads(threads):
+        llm = LLM(model, device=device, dtype=torch_dtype(dtype), weights="random",
+                  block_size=block_size, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens,
+                  num_kv_blocks=num_requests * ceil_div(input_len + output_len, block_size) + 16)
+        vocab = llm.model.config.vocab_size
+
+        def burst(run: int) -> Workload:  # fresh prompts each run: no prefix-cache hits
+            return loadgen.serving_workload("burst", vocab, num_requests, input_len, output_len,
+                                            seed=seed + 2 * run)
+
+        def one_by_one(run: int) -> Workload:  # evenly spaced: each finds the engine idle
+            workload = loadgen.serving_workload("burst", vocab, latency_requests, latency_input_len,
+                                                latency_output_len, seed=seed + 2 * run + 1)
+            return workload.with_arrivals([i / latency_rate for i in range(latency_requests)])
+
+        runs = {"offline": {"throughput": [], "ttft": []}, "server": {"throughput": [], "ttft": []}}
+        load_before, cpu_threads = os.getloadavg()[0], torch.get_num_threads()
+        with serve_in_background(model, env={"OMP_NUM_THREADS": str(cpu_threads)},
+                                 weights="random", device=str(device), dtype=dtype,
+                                 num_kv_blocks=llm.config.num_kv_blocks, block_size=block_size,
+                                 max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens) as server:
+            for workload in (burst(0), one_by_one(0)):  # untimed: first runs pay for fresh memory
+                _offline(llm, workload)
+                _served(server.url, workload)
+            for run in range(1, repeats + 1):
+                for kind, workload in (("throughput", burst(run)), ("ttft", one_by_one(run))):
+                    runs["offline"][kind].append(_offline(llm, workload))
+                    runs["server"][kind].append(_served(server.url, workload))
+    best_tps = {side: max(r["output_throughput"] for r in runs[side]["throughput"]) for side in runs}
+    best_ttft = {side: min(r["median_ttft_s"] for r in runs[side]["ttft"]) for side in runs}
+    in_run = min(runs["server"]["ttft"], key=lambda r: r["median_ttft_s"])
+    return {
+        "model": llm.model.config.name, "device": str(device),
+        "dtype": str(llm.model.dtype).removeprefix("torch."), "cpu_threads": cpu_threads,
+        "load_average": [load_before, os.getloadavg()[0]],
+        "burst": {"num_requests": num_requests, "input_len": input_len, "output_len": output_len},
+        "one_by_one": {"num_requests": latency_requests, "rate": latency_rate,
+                       "input_len": latency_input_len, "output_len": latency_output_len},
+        "runs": runs,
+        "offline_output_throughput": best_tps["offline"],
+        "server_output_throughput": best_tps["server"],
+        "throughput_ratio": best_tps["server"] / best_tps["offline"],
+        "offline_median_ttft_s": best_ttft["offline"],
+        "server_median_ttft_s": best_ttft["server"],
+        "added_median_ttft_s": best_ttft["server"] - best_ttft["offline"],
+        "added_mean_ttft_in_run_s": in_run["mean_ttft_s"] - in_run["engine_mean_ttft_s"],
+    }
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None):
+    """torch's CPU threads set to ``threads`` inside the block (None: left as they are)."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1 or None, got {threads}")
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _offline(llm: LLM, workload: Workload) -> dict:
+    """One offline run: output tokens per second (first arrival to last finish) and median TTFT."""
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, workload.params, use_tqdm=False,
+                           arrival_times=workload.arrival_times)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {"seconds": seconds, "output_tokens": tokens, "output_throughput": tokens / seconds,
+            "median_ttft_s": statistics.median(o.metrics.ttft for o in outputs)}
+
+
+def _served(url: str, workload: Workload) -> dict:
+    """One run through the server: the same numbers as the clients saw them, and the mean TTFT
+    of the engine inside the server over the same requests (its Prometheus histogram)."""
+    record = loadgen.run_load(url, workload, progress=False)
+    summary, delta = record["summary"], record["server_metrics"]["delta"]
+    if summary["num_completed"] != len(workload):
+        raise RuntimeError(f"the server completed {summary['num_completed']} of {len(workload)} "
+                           f"requests ({summary['errors_by_status']})")
+    return {"seconds": summary["duration_s"], "output_tokens": summary["output_tokens"],
+            "output_throughput": summary["output_throughput"],
+            "median_ttft_s": summary["ttft"]["p50"], "mean_ttft_s": summary["ttft"]["mean"],
+            "engine_mean_ttft_s": delta["time_to_first_token_seconds_sum"]
+            / delta["time_to_first_token_seconds_count"]}
+
+
+def format_serve(result: dict) -> str:
+    burst, one_by_one = result["burst"], result["one_by_one"]
+    ratio, added = result["throughput_ratio"], result["added_median_ttft_s"]
+    rows = [
+        ("", "offline LLM.generate", "server + loadgen", "server vs offline"),
+        (f"output tok/s, {burst['num_requests']} at once",
+         f"{result['offline_output_throughput']:,.1f}", f"{result['server_output_throughput']:,.1f}",
+         f"x{ratio:.3f} ({'meets' if ratio >= THROUGHPUT_TARGET else 'misses'} >= {THROUGHPUT_TARGET})"),
+        (f"median TTFT, {one_by_one['num_requests']} one by one",
+         f"{result['offline_median_ttft_s'] * 1e3:,.2f} ms", f"{result['server_median_ttft_s'] * 1e3:,.2f} ms",
+         f"{added * 1e3:+,.2f} ms ({'meets' if added <= TTFT_TARGET_S else 'misses'} "
+         f"<= {TTFT_TARGET_S * 1e3:g} ms)"),
+        ("mean TTFT, same served run", "", "",
+         f"{result['added_mean_ttft_in_run_s'] * 1e3:+,.2f} ms over the engine's own (its histogram)")]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [f"bench serve: {result['model']} (random weights) on {result['device']}, "
+             f"{result['dtype']}, {result['cpu_threads']} threads; load average "
+             f"{result['load_average'][0]:.2f} before, {result['load_average'][1]:.2f} after; "
+             f"best of {len(result['runs']['server']['ttft'])} runs per side"]
+    lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def add_cli(bench_commands) -> None:
+    """Register ``serve`` on the ``bench`` subcommands."""
+    cmd = bench_commands.add_parser("serve", help="the HTTP server against the offline engine: "
+                                                  "throughput ratio and added TTFT")
+    cmd.add_argument("--model", default="small", help="preset name or directory with config.json")
+    cmd.add_argument("--device", help="cpu or cuda (default: $MINILLM_DEVICE, else CUDA if present)")
+    cmd.add_argument("--dtype", choices=sorted(TORCH_DTYPES),
+                     help="default: the model's on CUDA, float32 on the CPU")
+    cmd.add_argument("--num-requests", type=int, default=32, help="the burst (throughput)")
+    cmd.add_argument("--input-len", type=int, default=128)
+    cmd.add_argument("--output-len", type=int, default=32)
+    cmd.add_argument("--latency-requests", type=int, default=16, help="one by one (TTFT)")
+    cmd.add_argument("--latency-rate", type=float, default=2.0, help="of the one-by-one requests, "
+                                                                   "per second (evenly spaced)")
+    cmd.add_argument("--latency-input-len", type=int, default=32)
+    cmd.add_argument("--latency-output-len", type=int, default=4)
+    cmd.add_argument("--repeats", type=int, default=3, help="runs per side, best kept")
+    cmd.add_argument("--threads", type=int, default=1, help="the engine's CPU threads on both sides "
+                                                          "(default 1: a core left for HTTP and the clients)")
+    cmd.add_argument("--seed", type=int, default=0)
+    cmd.add_argument("--out", help="write the record to this JSON file")
+    cmd.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    """Print both comparisons; write the record if ``--out``."""
+    try:
+        result = bench_serve(args.model, args.device, args.dtype, args.num_requests, args.input_len,
+                             args.output_len, args.latency_requests, args.latency_input_len,
+                             args.latency_output_len, args.latency_rate, args.repeats, args.threads,
+                             seed=args.seed)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_serve(result))
+    if args.out:
+        params = {k: getattr(args, k) for k in ("model", "dtype", "num_requests", "input_len",
+                                                "output_len", "latency_requests", "latency_input_len",
+                                                "latency_output_len", "latency_rate", "repeats",
+                                                "threads", "seed")}
+        records.write(args.out, "serve", params, result, resolve_device(args.device))
+        print(f"record written to {args.out}")
+    return 0

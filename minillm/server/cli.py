@@ -1,0 +1,63 @@
+"""``python -m minillm serve MODEL``: the OpenAI-compatible server from the command line.
+
+The options are vLLM's names for the same things. Only argparse is imported here, so the other
+commands of ``python -m minillm`` work where the server's packages (FastAPI, uvicorn) are missing.
+"""
+from __future__ import annotations
+
+import sys
+
+ENGINE_OPTIONS = ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
+                  "max_num_batched_tokens", "gpu_memory_utilization", "memory_limit")
+
+
+def add_cli(subparsers) -> None:
+    """Register ``serve`` on the ``python -m minillm`` subparsers."""
+    cmd = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine")
+    cmd.add_argument("model", help="folder with config.json (+ weights, tokenizer), preset or hub id")
+    cmd.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
+    cmd.add_argument("--port", type=int, default=8000)
+    cmd.add_argument("--device", help="cpu or cuda (default: $MINILLM_DEVICE, else CUDA if present)")
+    cmd.add_argument("--dtype", help="bfloat16, float16, float32 or float64 (default: the model's "
+                                     "on CUDA, float32 on the CPU)")
+    cmd.add_argument("--weights", default="auto", choices=["auto", "random"],
+                     help="random: the model's shape with random values (no checkpoint needed)")
+    cmd.add_argument("--block-size", type=int)
+    cmd.add_argument("--num-kv-blocks", type=int, help="default: the planner sizes the pool (on "
+                                                       "the CPU give this or --memory-limit)")
+    cmd.add_argument("--memory-limit", help="plan the KV pool as if the device had this much, e.g. 2GiB")
+    cmd.add_argument("--gpu-memory-utilization", type=float)
+    cmd.add_argument("--max-model-len", type=int)
+    cmd.add_argument("--max-num-seqs", type=int)
+    cmd.add_argument("--max-num-batched-tokens", type=int)
+    cmd.add_argument("--served-model-name", help="the name clients ask for (default: MODEL as given)")
+    cmd.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    cmd.add_argument("--max-queue", type=int, default=1024,
+                     help="requests waiting at most; beyond it 503 with Retry-After (default 1024)")
+    cmd.add_argument("--shutdown-timeout", type=float, default=10.0,
+                     help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they "
+                          "are aborted (default 10)")
+    cmd.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    cmd.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    """Serve until SIGTERM/SIGINT (exit 0); exit code 2 with a one-line reason for a bad setting."""
+    try:
+        from minillm.server.api_server import serve
+    except ImportError as err:
+        print(f"error: the server needs FastAPI and uvicorn ({err}): pip install -r requirements.txt",
+              file=sys.stderr)
+        return 2
+    from minillm.engine.loader import torch_dtype
+
+    engine_args = {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None}
+    try:
+        return serve(args.model, host=args.host, port=args.port,
+                     served_model_name=args.served_model_name, api_key=args.api_key,
+                     max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
+                     access_log=args.access_log, device=args.device, dtype=torch_dtype(args.dtype),
+                     weights=args.weights, **engine_args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,167 @@
+"""The OpenAI API's request bodies and errors, as vLLM's server takes them (chapter: serving over HTTP).
+
+The pydantic models check types only (strictly: ``true`` is no token id, ``1.5`` no ``max_tokens``).
+Values are checked once, by the engine's own ``SamplingParams``, whose ``ValueError`` becomes a
+400. Fields minillm cannot honour (``n > 1``, logprobs, penalties, ...) are refused by name rather
+than silently ignored. Every error a client gets is an :class:`APIError`: an HTTP status and
+OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from minillm.engine.sampling import SamplingParams
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               405: "MethodNotAllowedError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "logit_bias", "tools", "response_format")  # refused when set
+EXPECTED = {"prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+            "stop": "a string or a list of strings",
+            "content": "a string or a list of text parts"}  # said instead of pydantic's per-branch errors
+
+
+class APIError(Exception):
+    """An error for the client: HTTP ``status``, a message saying what to change, the field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "Error"),
+                          "param": self.param, "code": self.status}}
+
+
+def validation_error(err: ValidationError | list[dict]) -> APIError:
+    """A 400 naming each bad field, from pydantic's (or FastAPI's) list of errors."""
+    errors = err.errors() if isinstance(err, ValidationError) else err
+    if any(e["type"] == "json_invalid" for e in errors):
+        return APIError(400, "the request body is not valid JSON")
+    by_field: dict[str, str] = {}
+    for e in errors:
+        loc = [str(part) for part in e["loc"] if part != "body"]
+        field = loc[0] if loc else "body"
+        if not loc and e["type"] != "missing":
+            by_field[field] = "the request body must be a JSON object"
+        elif field in EXPECTED:
+            by_field[field] = f"must be {EXPECTED[field]}"
+        else:
+            by_field.setdefault(".".join(loc) or "body", e["msg"])
+    message = "; ".join(f"{field}: {msg}" for field, msg in by_field.items())
+    return APIError(400, message, param=next(iter(by_field)))
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool = False
+
+
+class GenerationRequest(BaseModel):
+    """What completions and chat completions share: sampling, stopping, streaming."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None  # vLLM's extension; None, 0 or -1: no limit
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extension
+    ignore_eos: bool = False  # vLLM's extension
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False  # vLLM's extension: token ids in each choice
+
+    def check_supported(self) -> None:
+        """Refuse what minillm does not do, by name (400)."""
+        if self.n != 1:
+            raise APIError(400, f"n must be 1: minillm returns one choice per prompt, got n={self.n}",
+                           param="n")
+        for name in UNSUPPORTED:
+            value = (self.model_extra or {}).get(name)
+            if value:  # None, false, 0 and empty values mean "off"
+                raise APIError(400, f"{name} is not supported by minillm", param=name)
+        best_of = (self.model_extra or {}).get("best_of")
+        if best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported by minillm", param="best_of")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options can only be given with stream=true",
+                           param="stream_options")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return [s for s in stop if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's params for one prompt; its ValueError as a 400."""
+        try:
+            return SamplingParams(
+                temperature=self.temperature, top_p=self.top_p,
+                top_k=0 if self.top_k in (None, -1) else self.top_k, max_tokens=max_tokens,
+                ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()),
+                seed=self.seed)
+        except ValueError as err:  # its messages start with the field's name
+            raise APIError(400, str(err), param=str(err).split(" ", 1)[0]) from None
+
+
+class CompletionRequest(GenerationRequest):
+    """``POST /v1/completions``: one prompt or a list, as text or token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per choice."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and isinstance(self.prompt[0], int):
+            return [self.prompt]
+        if not self.prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        return list(self.prompt)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str = ""
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_template_input(self) -> dict:
+        """The message as a chat template reads it: text content only."""
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise APIError(400, "only text content parts are supported by minillm",
+                               param="messages")
+            content = "".join(part.text for part in content)
+        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """``POST /v1/chat/completions``: messages rendered by the tokenizer's chat template."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # the newer name of max_tokens
+    add_generation_prompt: bool = True  # vLLM's extension
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

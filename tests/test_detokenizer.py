@@ -1,0 +1,67 @@
+"""Incremental detokenization and stop strings (chapter: serving over HTTP): the pieces a stream
+sends add up to the whole text, never half a character, never text a stop string cuts off."""
+import pytest
+
+from minillm.server.detokenizer import Detokenizer
+
+PIECES = {0: b"he", 1: b"llo", 2: b" wo", 3: b"rld", 4: b"\xe4\xbd", 5: b"\xa0", 6: b"!", 7: b""}
+SPECIAL = 7  # decodes to nothing, like an end-of-sequence token with skip_special_tokens
+
+
+class ByteTokenizer:
+    """Each id is a few bytes; decoding joins them and replaces broken UTF-8, as real BPEs do."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return b"".join(PIECES[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def stream(ids, stop=(), finish=True):
+    """Feed one token per step; return the pieces handed out and the detokenizer."""
+    text = Detokenizer(ByteTokenizer(), stop)
+    pieces = []
+    for i, token in enumerate(ids):
+        last = finish and i == len(ids) - 1
+        text.add([token], finished=last)
+        pieces.append(text.take(finished=last or text.stopped))
+        if text.stopped:
+            break
+    return pieces, text
+
+
+def test_pieces_add_up_to_the_whole_text_and_wait_for_whole_characters():
+    ids = [0, 1, 4, 5, 2, 3, SPECIAL, 6]
+    pieces, text = stream(ids)
+    assert "".join(pieces) == ByteTokenizer().decode(ids) == "hello你 world!"
+    assert pieces[2] == "" and pieces[3] == "你"  # the first two bytes of 你 wait for the third
+    assert "\ufffd" not in "".join(pieces)
+    assert text.token_ids == ids
+
+
+def test_a_broken_character_at_the_end_is_flushed_when_finished():
+    pieces, _ = stream([0, 4])
+    assert "".join(pieces) == "he\ufffd"
+
+
+@pytest.mark.parametrize("stop, expected", [("lo w", "hel"), ("rld", "hello wo"), ("!", "hello world"),
+                                            ("你", "hello world!"), ("xyz", "hello world!你")])
+def test_the_text_ends_before_the_first_stop_string(stop, expected):
+    pieces, text = stream([0, 1, 2, 3, 6, 4, 5], stop=[stop, "never"])
+    assert "".join(pieces) == text.text == expected
+    assert text.stopped == (stop != "xyz")
+
+
+def test_text_a_stop_string_might_start_with_is_held_back():
+    text = Detokenizer(ByteTokenizer(), ["lo wx"])
+    text.add([0, 1])
+    assert text.take() == "h"  # the last 4 characters could be the start of "lo wx"
+    text.add([2])
+    assert text.take() == "ell"
+    text.add([3])
+    assert text.take() == "o w" and not text.stopped  # "lo wo" is not the stop string
+    assert text.take(finished=True) == "orld"
+
+
+def test_without_a_tokenizer_only_ids_count():
+    text = Detokenizer(None)
+    text.add([1, 2, 3], finished=True)
+    assert (text.text, text.take(finished=True), text.token_ids) == ("", "", [1, 2, 3])
