@@ -34,7 +34,7 @@ class LLM(LLMEngine):
         order = sorted(range(len(prompts)), key=lambda i: arrival_times[i])
         ids = [self.next_request_id() for _ in prompts]
         results: dict[str, RequestOutput] = {}
-        progress = _progress_bar(len(prompts), use_tqdm)
+        progress = progress_bar(len(prompts), use_tqdm, "generate")
         start = self.now()
         try:
             while len(results) < len(prompts):
@@ -76,8 +76,9 @@ class _NoProgress:
         pass
 
 
-def _progress_bar(total: int, enabled: bool):
+def progress_bar(total: int, enabled: bool, desc: str):
+    """A tqdm bar of ``total`` requests named ``desc``, or one that shows nothing."""
     if not enabled:
         return _NoProgress()
     from tqdm.auto import tqdm
-    return tqdm(total=total, desc="generate", unit="req")
+    return tqdm(total=total, desc=desc, unit="req")

@@ -150,12 +150,7 @@ class Diagnosis:
         lat, mem, bat = self.latency, self.memory, self.batching
         lines = [f"minillm diagnose: {self.model} on {self.device}, {lat.num_requests} requests, "
                  f"{bat.num_steps} steps, {bat.busy_seconds:.3f} s busy",
-                 "", f"1. Which kind of slow: {_SYMPTOM_TEXT[self.symptom]}",
-                 f"   TTFT {_dist(lat.ttft)}", f"   TPOT {_dist(lat.tpot)}",
-                 f"   end-to-end {_dist(lat.e2e)}"]
-        if lat.first_token_share is not None:
-            lines.append(f"   the wait before the first token is {lat.first_token_share:.0%} of "
-                         f"the end-to-end time")
+                 *_symptom_lines(self.symptom, lat)]
         lines.append(f"   aborted {lat.num_aborted}, preemptions {lat.num_preemptions} "
                      f"({lat.num_preempted_requests} requests preempted)")
         lines += ["", "2. Ledger",
@@ -426,12 +421,7 @@ class ClientDiagnosis:
     def report(self) -> str:
         lat, view = self.latency, self.server_view
         lines = [f"minillm diagnose (client side): {lat.num_requests} requests to {self.server}",
-                 "", f"1. Which kind of slow: {_SYMPTOM_TEXT[self.symptom]}",
-                 f"   TTFT {_dist(lat.ttft)}", f"   TPOT {_dist(lat.tpot)}",
-                 f"   end-to-end {_dist(lat.e2e)}"]
-        if lat.first_token_share is not None:
-            lines.append(f"   the wait before the first token is {lat.first_token_share:.0%} of "
-                         f"the end-to-end time")
+                 *_symptom_lines(self.symptom, lat)]
         statuses = f" {self.errors_by_status}" if self.errors_by_status else ""
         lines.append(f"   failed {lat.num_aborted} ({self.num_errors} errors{statuses}, "
                      f"{lat.num_aborted - self.num_errors} aborted by the server); "
@@ -555,6 +545,16 @@ def _seconds(x: float | None) -> str:
         return "-"
     return f"{x * 1e3:,.1f} ms" if x < 1 else f"{x:,.2f} s"
 
+
+
+def _symptom_lines(symptom: str, lat: Latency) -> list[str]:
+    """Answer 1 of a report: the symptom and the latency distributions behind it."""
+    lines = ["", f"1. Which kind of slow: {_SYMPTOM_TEXT[symptom]}", f"   TTFT {_dist(lat.ttft)}",
+             f"   TPOT {_dist(lat.tpot)}", f"   end-to-end {_dist(lat.e2e)}"]
+    if lat.first_token_share is not None:
+        lines.append(f"   the wait before the first token is {lat.first_token_share:.0%} of "
+                     f"the end-to-end time")
+    return lines
 
 def _dist(d: dict | None) -> str:
     if d is None:

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 
+from minillm.engine.llm import progress_bar
 from minillm.lab import records
 from minillm.lab.metrics import distribution
 from minillm.lab.workload import Workload, chat_workload, contract_workload, make_workload
@@ -118,7 +119,7 @@ async def run_load_async(url: str, workload: Workload, *, model: str | None = No
         hang_ups = [rng.randint(1, max(1, p.max_tokens - 1)) if rng.random() < hangup_share else None
                     for p in workload.params]
         backend, before = await _scrape(client, url)
-        bar = _progress(len(workload), progress)
+        bar = progress_bar(len(workload), progress, "loadgen")
         t0 = time.perf_counter()
         samples: list[dict] = []
         sampler = asyncio.ensure_future(_sample(client, url, t0, sample_interval, samples)) \
@@ -362,23 +363,6 @@ def _share(x: float | None) -> str:
 def _count(x: float | None) -> str:
     return "-" if x is None else f"{x:.0f}"
 
-
-class _NoProgress:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return _NoProgress()
-    from tqdm.auto import tqdm
-    return tqdm(total=total, desc="loadgen", unit="req")
-
-
-# --- python -m minillm loadgen --------------------------------------------------------------------
 
 def add_cli(subparsers) -> None:
     """Register ``loadgen`` on the ``python -m minillm`` subparsers."""
