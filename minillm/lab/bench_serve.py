@@ -133,7 +133,7 @@ def _offline(llm: LLM, workload: Workload) -> dict:
 def _served(url: str, workload: Workload) -> dict:
     """One run through the server: the same numbers as the clients saw them, and the mean TTFT
     of the engine inside the server over the same requests (its Prometheus histogram)."""
-    record = loadgen.run_load(url, workload, progress=False)
+    record = loadgen.run_load(url, workload, progress=False, sample_interval=None)
     summary, delta = record["summary"], record["server_metrics"]["delta"]
     if summary["num_completed"] != len(workload):
         raise RuntimeError(f"the server completed {summary['num_completed']} of {len(workload)} "

@@ -99,11 +99,13 @@ def run_load(url: str, workload: Workload, **options) -> dict:
 
 async def run_load_async(url: str, workload: Workload, *, model: str | None = None,
                          api_key: str | None = None, text_prompts: bool = False,
-                         hangup_share: float = 0.0, sample_interval: float = 0.5,
+                         hangup_share: float = 0.0, sample_interval: float | None = 0.5,
                          progress: bool = True, seed: int = 0, timeout: float = 600.0) -> dict:
     """Send ``workload`` to the server at ``url`` as streaming completions, each at its arrival
     time; return the client run record. ``model``: default the server's first. ``text_prompts``:
-    words instead of token ids. ``hangup_share``: the share of clients that hang up mid-stream."""
+    words instead of token ids. ``hangup_share``: the share of clients that hang up mid-stream.
+    ``sample_interval``: seconds between samples of the server's gauges (None: no sampling, only
+    the counters before and after, so that no scrape competes with the requests)."""
     import httpx
 
     if not 0 <= hangup_share <= 1:
@@ -123,7 +125,7 @@ async def run_load_async(url: str, workload: Workload, *, model: str | None = No
         t0 = time.perf_counter()
         samples: list[dict] = []
         sampler = asyncio.ensure_future(_sample(client, url, t0, sample_interval, samples)) \
-            if backend else None
+            if backend and sample_interval else None
         sends = [_send(client, url + "/v1/completions", body, i, t0 + workload.arrival_times[i],
                        t0, hang_ups[i], bar) for i, body in enumerate(bodies)]
         results = await asyncio.gather(*sends)
