@@ -5,7 +5,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/jupyter-book build . -W --keep-going
+# Kernels draw with the inline backend whatever MPLBACKEND the shell has (Agg would draw nothing);
+# scripts/test.sh builds the same way, so the execution cache either fills has every figure.
+build() { MPLBACKEND=module://matplotlib_inline.backend_inline .venv/bin/jupyter-book build . -W --keep-going; }
+build
+# A cache filled some other way (an older scripts/test.sh exported MPLBACKEND=Agg) would give a
+# page without its figures: check every page, and if one lacks a figure, execute everything anew.
+if ! .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_book_html.py \
+     -k test_page_shows_its_figures >/dev/null 2>&1; then
+  echo "Some pages lack figures their code draws (a stale execution cache?): rebuilding from scratch."
+  rm -rf _build
+  build
+fi
 echo
 echo "The book: file://$PWD/_build/html/index.html"
 if [ "${1:-}" = "--serve" ]; then

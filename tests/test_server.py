@@ -324,6 +324,7 @@ def test_soak_loses_no_request_and_leaks_no_block(exact_server):
     for request, wanted in zip(requests, workload.output_lens):
         if not request["hung_up"]:
             assert (request["finish_reason"], request["num_output_tokens"]) == ("length", wanted)
+            assert request["tpot"] <= request["max_itl"] < request["e2e"]  # worst gap >= mean gap
     assert finished_requests(after) - finished_requests(before) == 240  # every request ended
     delta = record["server_metrics"]["delta"]
     assert delta["request_success_total.length"] >= summary["num_completed"]

@@ -99,7 +99,8 @@ def decode_step_seconds(model, batch: int, ctx: int, steps: int, enforce_eager: 
     generator = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(model.config.vocab_size, (ctx,), generator=generator).tolist()
-        llm.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True))
+        params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+        llm.add_request(str(i), prompt, params)
     while not llm.recorder.steps or llm.recorder.steps[-1]["num_prefill_tokens"]:
         llm.step()
     seconds = []
@@ -111,7 +112,8 @@ def decode_step_seconds(model, batch: int, ctx: int, steps: int, enforce_eager: 
     return seconds
 
 
-def eager_vs_graphs(model_name: str, device, batches=(1, 8, 32), ctx: int = 1024, steps: int = 20) -> list[dict]:
+def eager_vs_graphs(model_name: str, device, batches=(1, 8, 32), ctx: int = 1024,
+                    steps: int = 20) -> list[dict]:
     """Decode step time of ``model_name`` (random weights), eager and replayed from CUDA graphs."""
     model = load_model(model_name, device=device, weights="random")
     points = []
@@ -119,7 +121,8 @@ def eager_vs_graphs(model_name: str, device, batches=(1, 8, 32), ctx: int = 1024
         eager = decode_step_seconds(model, batch, ctx, steps, enforce_eager=True)
         graphs = decode_step_seconds(model, batch, ctx, steps, enforce_eager=False)
         points.append({"batch": batch, "ctx": ctx, "eager_seconds": eager, "graph_seconds": graphs,
-                       "eager_median_s": statistics.median(eager), "graph_median_s": statistics.median(graphs)})
+                       "eager_median_s": statistics.median(eager),
+                       "graph_median_s": statistics.median(graphs)})
     return points
 
 
@@ -177,7 +180,8 @@ def format_host(result: dict) -> str:
         f"(a CUDA graph replays them in one call)"]
     for point in result.get("graphs", []):
         lines.append(f"  {launches['model']} decode step at batch {point['batch']}: eager "
-                     f"{point['eager_median_s'] * 1e3:,.2f} ms, CUDA graph {point['graph_median_s'] * 1e3:,.2f} ms")
+                     f"{point['eager_median_s'] * 1e3:,.2f} ms, CUDA graph "
+                     f"{point['graph_median_s'] * 1e3:,.2f} ms")
     return "\n".join(lines)
 
 

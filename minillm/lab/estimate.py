@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from minillm.engine.config import ModelConfig
 from minillm.engine.memory_plan import MemoryPlan
-from minillm.engine.units import GB, KiB, GiB, MiB, ceil_div, fmt_bytes, fmt_int, parse_size  # noqa: F401 (the ledger's units)
+from minillm.engine.units import (GB, KiB, GiB, MiB, ceil_div, fmt_bytes,  # noqa: F401 (the ledger's units)
+                                  fmt_int, parse_size)
 
 DTYPE_BYTES = {"float64": 8, "fp64": 8, "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2,
                "float16": 2, "fp16": 2, "float8": 1, "fp8": 1, "int8": 1}
@@ -221,7 +222,8 @@ def memory_budget(cfg: ModelConfig, gpu_memory, utilization: float = 0.92, dtype
     total = parse_size(gpu_memory)
     return MemoryPlan.cut(total_bytes=total, utilization=utilization, weight_bytes=weight_bytes(cfg, dtype),
                           activation_peak_bytes=0, other_bytes=0, block_size=1,
-                          bytes_per_block=kv_bytes_per_token(kv_config or cfg, kv_dtype or dtype), max_model_len=None,
+                          bytes_per_block=kv_bytes_per_token(kv_config or cfg, kv_dtype or dtype),
+                          max_model_len=None,
                           max_position_embeddings=cfg.max_position_embeddings, model=cfg.name,
                           device=f"{fmt_bytes(total)} card (ledger)", dtype=str(dtype),
                           max_num_batched_tokens=0, source="ledger")

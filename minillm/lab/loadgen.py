@@ -83,6 +83,7 @@ class ClientRequest:
     finish_reason: str | None = None  # "stop" | "length" | "abort" (the server's word)
     error: dict | None = None  # {"status": HTTP status or None, "message": ...}
     hung_up: bool = False  # the client closed the stream on purpose (``hangup_share``)
+    max_itl: float | None = None  # the longest wait between two tokens: a stall the reader sees
 
 
 # --- one run --------------------------------------------------------------------------------------
@@ -246,6 +247,7 @@ async def _send(client, url: str, body: dict, index: int, send_at: float, t0: fl
         result.ttft = token_times[0] - sent
         if result.num_output_tokens > 1:
             result.tpot = (token_times[-1] - token_times[0]) / (result.num_output_tokens - 1)
+            result.max_itl = max((b - a for a, b in zip(token_times, token_times[1:])), default=None)
     bar.update(1)
     return result
 
@@ -325,7 +327,7 @@ def summarize(requests: list[ClientRequest], duration: float) -> dict:
         "output_throughput": output_tokens / duration if duration > 0 else None,
         "request_throughput": len(completed) / duration if duration > 0 else None,
         **{name: distribution([getattr(r, name) for r in completed if getattr(r, name) is not None])
-           for name in ("ttft", "tpot", "e2e")},
+           for name in ("ttft", "tpot", "max_itl", "e2e")},
     }
 
 
@@ -339,7 +341,8 @@ def format_report(record: dict) -> str:
              + f", aborted by the server {s['num_aborted']}, hung up {s['num_hung_up']}",
              f"  {s['duration_s']:.2f} s: {s['output_tokens']:,} output tokens = "
              f"{s['output_throughput'] or 0:,.1f} tok/s, {s['request_throughput'] or 0:.2f} req/s"]
-    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2e", "end-to-end")):
+    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("max_itl", "worst gap"),
+                        ("e2e", "end-to-end")):
         d = s[name]
         lines.append(f"  {label:<10} " + ("-" if d is None else
                      "  ".join(f"{k} {_ms(d[k])}" for k in ("mean", "p50", "p90", "p99"))))

@@ -70,6 +70,7 @@ def _probe(device: torch.device) -> MachineProfile:
         torch.set_num_threads(threads)
     return MachineProfile(
         device_type=device.type, device_name=describe_device(device).name, threads=used_threads,
-        copy_bandwidth=max(p.copy_bandwidth for p in probes), matmul_flops=max(p.matmul_flops for p in probes),
+        copy_bandwidth=max(p.copy_bandwidth for p in probes),
+        matmul_flops=max(p.matmul_flops for p in probes),
         matmul_dtype=str(dtype), load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"))

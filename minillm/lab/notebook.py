@@ -137,3 +137,82 @@ def greedy(max_tokens: int):
     from minillm.engine.sampling import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+# --- "本机" in words, and measurements set against their floors (chapters 1–5) -------------------
+
+def profile_words(profile: MachineProfile) -> dict[str, str]:
+    """The build's machine profile as every page and lab prints it, formatted once so that two
+    chapters never show one quantity two ways: ``device``, ``threads``, ``bw`` (copy bandwidth),
+    ``flops`` (matmul rate), ``ridge`` and ``policy`` (how and when it was probed)."""
+    from minillm.lab.machine_profile import TRIES
+
+    threads = "GPU" if profile.device_type == "cuda" else f"{profile.threads} 个 CPU 线程"
+    load = "" if profile.load_average is None else f"，当时 1 分钟平均负载 {profile.load_average:.1f}"
+    return {
+        "device": profile.device_name,
+        "threads": threads,
+        "bw": f"{profile.copy_bandwidth / 1e9:,.1f} GB/s",
+        "flops": f"{profile.matmul_flops / 1e9:,.1f} GFLOP/s",
+        "ridge": f"{profile.ridge_point:,.1f}",
+        "policy": (f"每次构建只探测一次（{threads}，拷贝带宽和矩阵乘各测 {TRIES} 遍取最好的一遍{load}），"
+                   f"结果缓存下来，全书每一章的“本机”都读这一份"),
+    }
+
+
+def remainder(whole: float, parts: float, digits: int = 1) -> str:
+    """What is left of a timed ``whole`` once the separately timed ``parts`` are taken off, as a
+    table cell: the time, or, when the parts timed alone add up to more than the whole (timing
+    noise, caches), words that say so instead of a negative time."""
+    rest = whole - parts
+    if rest > 0:
+        return f"{rest * 1e3:,.{digits}f} ms"
+    return f"量不出（单独量的几块加起来比整体多 {-rest * 1e3:,.{digits}f} ms）"
+
+
+def against_floor(measured: float, floor: float) -> str:
+    """How a measured time stands against its ledger floor, in words: the floor's share of it, or,
+    when the measurement beats its own lower bound, by how much (the text must then say whose
+    ceiling, a probe's, is wrong for that operation)."""
+    if measured >= floor:
+        return f"下界是实测的 {floor / measured:.0%}"
+    return f"实测比“下界”还快 {1 - measured / floor:.0%}"
+
+
+def prefill_flops_done(cfg: ModelConfig, n: int, dtype) -> float:
+    """FLOPs a prefill of ``n`` tokens really does: the ledger's, less the output layer on the
+    ``n - 1`` rows whose logits nobody needs (the ledger counts it for every token)."""
+    from minillm.lab.estimate import prefill
+
+    return prefill(cfg, n, dtype).flops - 2 * cfg.vocab_size * cfg.hidden_size * (n - 1)
+
+
+def why_prefill_beat_floor(cfg: ModelConfig, n: int, dtype, seconds: float, profile: MachineProfile) -> str:
+    """Why a prefill of ``n`` tokens that took ``seconds`` came in under the ledger's floor F / P:
+    first the output layer the ledger counts for every token; then, if the FLOPs really done still
+    ran faster than the probed matmul rate, that the probe is no ceiling for this operation."""
+    from minillm.lab.estimate import prefill
+
+    done = prefill_flops_done(cfg, n, dtype)
+    overcount = 1 - done / prefill(cfg, n, dtype).flops
+    rate = done / seconds
+    text = (f"账本为每个 token 都算了一遍输出层，可预填充只为最后一个 token 算 logits，账本因此多记了 {overcount:.0%} "
+            f"的运算；扣掉这部分，这次前向实际做的运算达到 {rate / 1e9:,.1f} GFLOP/s")
+    if rate > profile.matmul_flops:
+        return text + (f"，仍高于探测的矩阵乘速率 {profile.matmul_flops / 1e9:,.1f} GFLOP/s。所以是下界的天花板错了："
+                       "探测只测一个方阵乘法，它的速率不是这台机器做这种运算的上限，"
+                       "按它算出的“下界”对这个操作并不成立")
+    return text + f"，低于探测的矩阵乘速率 {profile.matmul_flops / 1e9:,.1f} GFLOP/s：扣掉多记的部分，下界就成立了"
+
+
+def last_level_cache_bytes(device: torch.device) -> int | None:
+    """The largest cache ``device`` reports (the GPU's L2, the CPU's highest level); None if unknown."""
+    from pathlib import Path
+
+    if device.type == "cuda":
+        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        text = (index / "size").read_text().strip()  # e.g. "2048K"
+        sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[text[-1]])
+    return max(sizes, default=None)

@@ -130,3 +130,38 @@ def plot_memory_plans(ax, plans, min_share: float = 7.0) -> None:
     ax.set_xlabel("占整张卡的比例（%）")
     ax.grid(False)
     ax.legend(ncols=len(MEMORY_SEGMENTS), loc="upper center", bbox_to_anchor=(0.5, -0.22), fontsize=8)
+
+
+def flowchart(ax, nodes: dict[str, tuple[float, float, str]], edges: list[tuple[str, str, str]],
+              colors: dict[str, str] | None = None, width: float = 1.6, height: float = 0.6) -> None:
+    """A box-and-arrow diagram in the book's style, drawn by matplotlib so it renders offline with
+    the CJK font: ``nodes`` maps a name to ``(x, y, label)`` (box centers, data units); ``edges``
+    are ``(from, to, label)`` arrows; ``colors`` maps a name to its box color (default: light grey).
+    """
+    from matplotlib.patches import FancyBboxPatch
+
+    for name, (x, y, label) in nodes.items():
+        color = (colors or {}).get(name, "#EEEEEE")
+        ax.add_patch(FancyBboxPatch((x - width / 2, y - height / 2), width, height,
+                                    boxstyle="round,pad=0.04,rounding_size=0.12", facecolor=color,
+                                    edgecolor="#555555", linewidth=0.8))
+        ax.text(x, y, label, ha="center", va="center", fontsize=8.5)
+    def border(x, y, dx, dy):  # where the line from a box's center along (dx, dy) leaves the box
+        scale = min(width / 2 / abs(dx) if dx else float("inf"), height / 2 / abs(dy) if dy else float("inf"))
+        return x + dx * scale * 1.08, y + dy * scale * 1.08
+
+    for start, end, label in edges:
+        (x0, y0, _), (x1, y1, _) = nodes[start], nodes[end]
+        tail, head = border(x0, y0, x1 - x0, y1 - y0), border(x1, y1, x0 - x1, y0 - y1)
+        ax.annotate("", xy=head, xytext=tail,
+                    arrowprops=dict(arrowstyle="-|>", color="#555555", lw=1.0, shrinkA=0, shrinkB=0))
+        if label:  # above a sideways arrow, beside an upright one
+            upright = abs(y1 - y0) > abs(x1 - x0)
+            ax.text((tail[0] + head[0]) / 2 + 0.08 * upright, (tail[1] + head[1]) / 2, label,
+                    ha="left" if upright else "center", va="center" if upright else "bottom",
+                    fontsize=7.5, color="#333333")
+    xs, ys = [x for x, _, _ in nodes.values()], [y for _, y, _ in nodes.values()]
+    ax.set_xlim(min(xs) - width, max(xs) + width)
+    ax.set_ylim(min(ys) - 2 * height, max(ys) + 2 * height)
+    ax.set_aspect("equal")
+    ax.axis("off")

@@ -5,10 +5,12 @@ commands of ``python -m minillm`` work where the server's packages (FastAPI, uvi
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 ENGINE_OPTIONS = ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
-                  "max_num_batched_tokens", "gpu_memory_utilization", "memory_limit")
+                  "max_num_batched_tokens", "gpu_memory_utilization", "memory_limit",
+                  "enable_chunked_prefill")
 
 
 def add_cli(subparsers) -> None:
@@ -30,6 +32,9 @@ def add_cli(subparsers) -> None:
     cmd.add_argument("--max-model-len", type=int)
     cmd.add_argument("--max-num-seqs", type=int)
     cmd.add_argument("--max-num-batched-tokens", type=int)
+    cmd.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                     help="split long prompts over steps (default on); with "
+                          "--no-enable-chunked-prefill a prompt must fit --max-num-batched-tokens")
     cmd.add_argument("--served-model-name", help="the name clients ask for (default: MODEL as given)")
     cmd.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     cmd.add_argument("--max-queue", type=int, default=1024,

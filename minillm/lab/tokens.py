@@ -1,0 +1,84 @@
+"""Count the tokens yourself (chapter 一次请求的一生): real tokenizers on real text.
+
+The pinned PyPI package ``mistral-common`` ships tokenizers as data files. Two of them are used
+here: Mistral-7B's SentencePiece model (``tokenizer.model.v1``, a 32,000-token vocabulary) and
+Mistral NeMo's Tekken (``tekken_240718.json``, a byte-level BPE of 131,072 tokens). The text is
+the book's own, in ``data/texts/``: an excerpt of a service contract and a question about it, in
+Chinese and in English, saying the same thing. Nothing here reaches the network.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+TEXTS_DIR = Path(__file__).resolve().parents[2] / "data" / "texts"
+TEXTS = {  # file stem -> (what it is, language)
+    "contract_zh": ("合同节选", "中文"),
+    "contract_en": ("合同节选", "英文"),
+    "question_zh": ("提问", "中文"),
+    "question_en": ("提问", "英文"),
+}
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """A tokenizer that ``mistral-common`` ships: its model, kind, vocabulary and data file."""
+
+    model: str  # the model family that uses it
+    kind: str  # "SentencePiece" or "Tekken"
+    vocab_size: int
+    file: str  # the data file inside mistral_common/data
+    encode: Callable[[str], list[int]]
+
+
+@functools.cache
+def tokenizers() -> tuple[Tokenizer, ...]:
+    """Mistral-7B's SentencePiece and Mistral NeMo's Tekken, loaded from the package's data."""
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    out = []
+    shipped = (("Mistral-7B", "SentencePiece", MistralTokenizer.v1, "tokenizer.model.v1"),
+               ("Mistral NeMo", "Tekken", lambda: MistralTokenizer.v3(is_tekken=True), "tekken_240718.json"))
+    for model, kind, load, file in shipped:
+        raw = load().instruct_tokenizer.tokenizer
+        out.append(Tokenizer(model, kind, raw.n_words, file,
+                             functools.partial(raw.encode, bos=False, eos=False)))
+    return tuple(out)
+
+
+def sample_text(name: str) -> str:
+    """The text of ``data/texts/<name>.txt`` (one of :data:`TEXTS`), without its final newline."""
+    if name not in TEXTS:
+        raise ValueError(f"no sample text {name!r} (known: {', '.join(TEXTS)})")
+    return (TEXTS_DIR / f"{name}.txt").read_text(encoding="utf-8").strip()
+
+
+@dataclass(frozen=True)
+class TokenCount:
+    """How many tokens one tokenizer cuts one text into."""
+
+    text: str  # a key of TEXTS
+    tokenizer: Tokenizer
+    chars: int  # characters, spaces and punctuation included
+    tokens: int
+
+    @property
+    def tokens_per_char(self) -> float:
+        return self.tokens / self.chars
+
+    @property
+    def chars_per_token(self) -> float:
+        return self.chars / self.tokens
+
+
+def count_tokens(names=tuple(TEXTS)) -> list[TokenCount]:
+    """Every text of ``names`` through every tokenizer."""
+    return [TokenCount(name, tok, len(sample_text(name)), len(tok.encode(sample_text(name))))
+            for name in names for tok in tokenizers()]
+
+
+def count(counts: list[TokenCount], text: str, kind: str) -> TokenCount:
+    """The count of ``text`` by the tokenizer of ``kind`` among ``counts``."""
+    return next(c for c in counts if c.text == text and c.tokenizer.kind == kind)
