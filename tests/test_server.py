@@ -395,9 +395,11 @@ def test_bench_serve_prints_both_comparisons(tmp_path, capsys):
     out = tmp_path / "serve.json"
     assert main(["bench", "serve", "--model", str(tmp_path), "--device", "cpu", "--num-requests", "4",
                  "--input-len", "16", "--output-len", "4", "--latency-requests", "3",
-                 "--latency-rate", "20", "--repeats", "1", "--out", str(out)]) == 0
+                 "--repeats", "1", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert re.search(r"output tok/s, 4 at once .* x\d\.\d{3}", printed)
-    assert re.search(r"median TTFT, 3 one by one .* [+-][\d.]+ ms", printed)
+    assert re.search(r"median TTFT, 3 x 1 alone, paired .* [+-][\d.]+ ms median of pairs", printed)
     results = json.loads(out.read_text())["results"]
-    assert results["throughput_ratio"] > 0 and len(results["runs"]["server"]["ttft"]) == 1
+    assert results["throughput_ratio"] > 0 and len(results["runs"]["ttft_pairs"]) == 3
+    for pair in results["runs"]["ttft_pairs"]:  # the client waits at least as long as the engine works
+        assert 0 < pair["engine_s"] < pair["server_s"] and pair["offline_s"] > 0
