@@ -1,5 +1,5 @@
 """Units the whole project counts in: bytes (GB = 1e9, GiB = 2**30), sizes written as text, and
-the two number formats the book prints. Pure Python: the ledger and the engine share it."""
+the number formats the book and the reports print. Pure Python: the ledger and the engine share it."""
 from __future__ import annotations
 
 import re
@@ -52,3 +52,15 @@ def fmt_bytes(x: float, unit: str | None = None, digits: int = 2) -> str:
     if unit not in _BYTE_UNITS:
         raise ValueError(f"unit must be one of {', '.join(_BYTE_UNITS)}, got {unit!r}")
     return f"{x / _BYTE_UNITS[unit]:,.{digits}f} {unit}"
+
+
+def fmt_seconds(x: float | None) -> str:
+    """``12.3 ms`` under a second, ``1.23 s`` from there; ``-`` for None (nothing measured)."""
+    if x is None:
+        return "-"
+    return f"{x * 1e3:,.1f} ms" if x < 1 else f"{x:,.2f} s"
+
+
+def fmt_or_dash(x: float | None, spec: str) -> str:
+    """``x`` in the format ``spec`` (``".0%"``, ``".0f"``); ``-`` for None (nothing measured)."""
+    return "-" if x is None else format(x, spec)

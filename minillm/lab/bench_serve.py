@@ -144,15 +144,14 @@ def _served(url: str, workload: Workload) -> dict:
     """One run through the server: the same numbers as the clients saw them, and the mean TTFT
     of the engine inside the server over the same requests (its Prometheus histogram)."""
     record = loadgen.run_load(url, workload, progress=False, sample_interval=None)
-    summary, delta = record["summary"], record["server_metrics"]["delta"]
+    summary = record["summary"]
     if summary["num_completed"] != len(workload):
         raise RuntimeError(f"the server completed {summary['num_completed']} of {len(workload)} "
                            f"requests ({summary['errors_by_status']})")
     return {"seconds": summary["duration_s"], "output_tokens": summary["output_tokens"],
             "output_throughput": summary["output_throughput"],
             "median_ttft_s": summary["ttft"]["p50"], "mean_ttft_s": summary["ttft"]["mean"],
-            "engine_mean_ttft_s": delta["time_to_first_token_seconds_sum"]
-            / delta["time_to_first_token_seconds_count"]}
+            "engine_mean_ttft_s": loadgen.server_mean(record, "time_to_first_token_seconds")}
 
 
 def format_serve(result: dict) -> str:

@@ -32,14 +32,14 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from collections import Counter
 from dataclasses import asdict, dataclass
 
 from minillm.engine.config import ModelConfig
 from minillm.engine.memory_plan import MemoryPlan
 from minillm.engine.scheduler import ADMISSION_STOPS
-from minillm.engine.units import fmt_bytes
+from minillm.engine.units import fmt_bytes, fmt_or_dash, fmt_seconds
 from minillm.lab import estimate as ledger
+from minillm.lab import loadgen
 from minillm.lab.gpus import find_gpu
 from minillm.lab.metrics import distribution
 from minillm.lab.records import CLIENT_RUN_FORMAT, load_client_run, load_record, load_run
@@ -172,9 +172,9 @@ class Diagnosis:
         lines += ["", "3. Batches",
                   f"   batch per step: mean {bat.mean_batch:.1f}, max {bat.max_batch} "
                   f"(max_num_seqs {bat.max_num_seqs}); mean decode batch "
-                  f"{_num(bat.mean_decode_batch, '.1f')}",
-                  f"   queueing: {_num(bat.queueing_share_of_ttft, '.0%')} of TTFT "
-                  f"(mean {_seconds(bat.mean_queueing)})",
+                  f"{fmt_or_dash(bat.mean_decode_batch, '.1f')}",
+                  f"   queueing: {fmt_or_dash(bat.queueing_share_of_ttft, '.0%')} of TTFT "
+                  f"(mean {fmt_seconds(bat.mean_queueing)})",
                   f"   steps that ended with requests waiting: {waited or 'none'}",
                   f"   busy time on prompts (prefill) {bat.prefill_time_share:.0%}, on decode "
                   f"{1 - bat.prefill_time_share:.0%}"]
@@ -373,7 +373,7 @@ def _wall(latency: Latency, memory: MemoryUse, batching: Batching) -> tuple[str,
                             f"of the end-to-end time")
         return "compute", evidence
     evidence.append(f"{1 - batching.prefill_time_share:.0%} of the busy time went to decode steps, "
-                    f"mean decode batch {_num(batching.mean_decode_batch, '.1f')}")
+                    f"mean decode batch {fmt_or_dash(batching.mean_decode_batch, '.1f')}")
     if batching.mbu is not None:
         evidence.append(f"decode steps moved {batching.mbu:.0%} of the memory bandwidth (MBU)")
     if batching.queueing_share_of_ttft is not None:
@@ -430,15 +430,16 @@ class ClientDiagnosis:
         if view is None:
             lines.append("   nothing: the server exported no Prometheus metrics")
         else:
-            lines += [f"   preemptions {view.num_preemptions}; peak KV use {_num(view.peak_kv_usage, '.0%')}; "
-                      f"peak waiting {_num(view.peak_waiting, '.0f')}, peak running "
-                      f"{_num(view.peak_running, '.0f')}",
-                      f"   its own TTFT: mean {_seconds(view.mean_ttft)}, of which queueing "
-                      f"{_seconds(view.mean_queue_time)}; prefix cache served "
-                      f"{_num(view.prefix_hit_share, '.0%')} of prompt tokens"]
+            lines += [f"   preemptions {view.num_preemptions}; peak KV use "
+                      f"{fmt_or_dash(view.peak_kv_usage, '.0%')}; "
+                      f"peak waiting {fmt_or_dash(view.peak_waiting, '.0f')}, peak running "
+                      f"{fmt_or_dash(view.peak_running, '.0f')}",
+                      f"   its own TTFT: mean {fmt_seconds(view.mean_ttft)}, of which queueing "
+                      f"{fmt_seconds(view.mean_queue_time)}; prefix cache served "
+                      f"{fmt_or_dash(view.prefix_hit_share, '.0%')} of prompt tokens"]
             if self.extra_ttft is not None:
-                lines.append(f"   the clients waited {_seconds(self.extra_ttft)} longer for the first "
-                             f"token on average: network, HTTP and the wait for the next step")
+                lines.append(f"   the clients waited {fmt_seconds(self.extra_ttft)} longer for the "
+                             f"first token on average: network, HTTP and the wait for the next step")
         verdict = (f"{self.wall} ({_WALL_TEXT[self.wall]})" if self.wall else
                    f"not decidable from the client side; the time went mostly to "
                    f"{_LEAN_TEXT[self.symptom]}")
@@ -467,35 +468,29 @@ _CANNOT_TELL = (
 def diagnose_client(record) -> ClientDiagnosis:
     """Diagnose a load generator run: ``record`` is ``loadgen.run_load``'s result or its JSON."""
     record = load_client_run(record)
-    requests = record["requests"]
-    completed = [r for r in requests if r["error"] is None and not r["hung_up"]
-                 and r["finish_reason"] in ("stop", "length")]
-    errors = [r for r in requests if r["error"] is not None]
-    aborted = [r for r in requests if r["error"] is None and not r["hung_up"] and r["finish_reason"] == "abort"]
-    view = _server_view(record["server_metrics"], record["server"]["backend"])
-    share = None
-    if sum(r["e2e"] for r in completed) > 0:
-        share = sum(r["ttft"] or 0.0 for r in completed) / sum(r["e2e"] for r in completed)
+    summary = loadgen.summarize([loadgen.ClientRequest(**r) for r in record["requests"]],
+                                record["duration_s"])
+    view = _server_view(record)
+    ttft, e2e = summary["ttft"], summary["e2e"]
     latency = Latency(
-        num_requests=len(requests), num_aborted=len(errors) + len(aborted),
+        num_requests=summary["num_requests"], num_aborted=summary["num_errors"] + summary["num_aborted"],
         num_preemptions=view.num_preemptions if view else 0, num_preempted_requests=None,
-        **{name: distribution([r[name] for r in completed if r[name] is not None])
-           for name in ("ttft", "tpot", "e2e")},
-        first_token_share=share)
+        ttft=ttft, tpot=summary["tpot"], e2e=e2e,
+        first_token_share=ttft["mean"] / e2e["mean"] if ttft and e2e and e2e["mean"] > 0 else None)
     wall, evidence = _client_wall(view)
-    statuses = dict(sorted(Counter(str(r["error"]["status"]) for r in errors).items()))
     server = f"{record['server']['url']} ({record['server']['model']})"
-    ttfts = [r["ttft"] for r in requests if r["ttft"] is not None]
+    ttfts = [r["ttft"] for r in record["requests"] if r["ttft"] is not None]
     extra_ttft = (statistics.fmean(ttfts) - view.mean_ttft
                   if ttfts and view is not None and view.mean_ttft is not None else None)
     cannot_tell = _CANNOT_TELL if view else ("anything the server saw: it exported no Prometheus "
                                              "metrics (queue, KV use, preemptions)",) + _CANNOT_TELL
-    return ClientDiagnosis(server, _symptom(latency), wall, latency, len(errors), statuses,
-                           sum(r["hung_up"] for r in requests), view, extra_ttft, tuple(evidence),
-                           cannot_tell)
+    return ClientDiagnosis(server, _symptom(latency), wall, latency, summary["num_errors"],
+                           dict(sorted(summary["errors_by_status"].items())), summary["num_hung_up"],
+                           view, extra_ttft, tuple(evidence), cannot_tell)
 
 
-def _server_view(metrics: dict | None, backend: str | None) -> ServerView | None:
+def _server_view(record: dict) -> ServerView | None:
+    metrics = record["server_metrics"]
     if not metrics:
         return None
     delta, samples = metrics["delta"], metrics["samples"]
@@ -503,17 +498,14 @@ def _server_view(metrics: dict | None, backend: str | None) -> ServerView | None
     def peak(gauge):
         return max((s[gauge] for s in samples if s.get(gauge) is not None), default=None)
 
-    def mean(histogram):
-        count = delta.get(f"{histogram}_count", 0)
-        return delta[f"{histogram}_sum"] / count if count else None
-
     queries = delta.get("prefix_cache_queries_total", 0)
     return ServerView(
-        backend=backend, num_preemptions=round(delta.get("num_preemptions_total", 0)),
+        backend=record["server"]["backend"], num_preemptions=round(delta.get("num_preemptions_total", 0)),
         num_aborted=round(delta.get("request_success_total.abort", 0)),
         peak_kv_usage=peak("kv_cache_usage_perc"), peak_waiting=peak("num_requests_waiting"),
-        peak_running=peak("num_requests_running"), mean_ttft=mean("time_to_first_token_seconds"),
-        mean_queue_time=mean("request_queue_time_seconds"),
+        peak_running=peak("num_requests_running"),
+        mean_ttft=loadgen.server_mean(record, "time_to_first_token_seconds"),
+        mean_queue_time=loadgen.server_mean(record, "request_queue_time_seconds"),
         prefix_hit_share=delta.get("prefix_cache_hits_total", 0) / queries if queries else None)
 
 
@@ -529,23 +521,16 @@ def _client_wall(view: ServerView | None) -> tuple[str | None, list[str]]:
                         f"{view.peak_waiting:.0f} requests waited")
     if evidence:
         return "capacity", evidence
-    evidence.append(f"no preemption, and KV use peaked at {_num(view.peak_kv_usage, '.0%')}: the "
-                    f"pool was not the limit")
+    evidence.append(f"no preemption, and KV use peaked at {fmt_or_dash(view.peak_kv_usage, '.0%')}: "
+                    f"the pool was not the limit")
     if view.mean_queue_time is not None and view.mean_ttft:
         evidence.append(f"queueing was {view.mean_queue_time / view.mean_ttft:.0%} of the server's "
-                        f"TTFT (up to {_num(view.peak_waiting, '.0f')} waiting): the token budget, "
+                        f"TTFT (up to {fmt_or_dash(view.peak_waiting, '.0f')} waiting): the token budget, "
                         f"max_num_seqs or the prompts ahead held requests back")
     return None, evidence
 
 
 # --- Formatting ----------------------------------------------------------------------------------
-
-def _seconds(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x * 1e3:,.1f} ms" if x < 1 else f"{x:,.2f} s"
-
-
 
 def _symptom_lines(symptom: str, lat: Latency) -> list[str]:
     """Answer 1 of a report: the symptom and the latency distributions behind it."""
@@ -556,14 +541,11 @@ def _symptom_lines(symptom: str, lat: Latency) -> list[str]:
                      f"the end-to-end time")
     return lines
 
+
 def _dist(d: dict | None) -> str:
     if d is None:
         return "-"
-    return f"mean {_seconds(d['mean'])}, p50 {_seconds(d['p50'])}, p90 {_seconds(d['p90'])}"
-
-
-def _num(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+    return f"mean {fmt_seconds(d['mean'])}, p50 {fmt_seconds(d['p50'])}, p90 {fmt_seconds(d['p90'])}"
 
 
 def _bytes(x: float | None) -> str:

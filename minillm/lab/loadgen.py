@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 
 from minillm.engine.llm import progress_bar
+from minillm.engine.units import fmt_or_dash, fmt_seconds
 from minillm.lab import records
 from minillm.lab.metrics import distribution
 from minillm.lab.workload import Workload, chat_workload, contract_workload, make_workload
@@ -309,6 +310,15 @@ async def _sample(client, url: str, t0: float, interval: float, samples: list[di
 
 # --- the summary ----------------------------------------------------------------------------------
 
+def server_mean(record: dict, histogram: str) -> float | None:
+    """The mean of one of the server's latency histograms over a run (``histogram`` without its
+    prefix): the growth of its ``_sum`` over that of its ``_count``; None when the server exported
+    no metrics or counted nothing."""
+    delta = (record["server_metrics"] or {}).get("delta", {})
+    count = delta.get(f"{histogram}_count", 0)
+    return delta[f"{histogram}_sum"] / count if count else None
+
+
 def summarize(requests: list[ClientRequest], duration: float) -> dict:
     """Counts, throughput and the latency distributions of the requests that completed."""
     completed = [r for r in requests if r.error is None and not r.hung_up
@@ -345,28 +355,16 @@ def format_report(record: dict) -> str:
                         ("e2e", "end-to-end")):
         d = s[name]
         lines.append(f"  {label:<10} " + ("-" if d is None else
-                     "  ".join(f"{k} {_ms(d[k])}" for k in ("mean", "p50", "p90", "p99"))))
+                     "  ".join(f"{k} {fmt_seconds(d[k])}" for k in ("mean", "p50", "p90", "p99"))))
     metrics = record["server_metrics"]
     if metrics:
         delta, samples = metrics["delta"], metrics["samples"]
         peak = {g: max((x[g] for x in samples if x[g] is not None), default=None) for g in GAUGES}
         lines.append(f"  server: preemptions +{delta.get('num_preemptions_total', 0):.0f}, peak KV "
-                     f"use {_share(peak['kv_cache_usage_perc'])}, peak waiting "
-                     f"{_count(peak['num_requests_waiting'])}, peak running "
-                     f"{_count(peak['num_requests_running'])}")
+                     f"use {fmt_or_dash(peak['kv_cache_usage_perc'], '.0%')}, peak waiting "
+                     f"{fmt_or_dash(peak['num_requests_waiting'], '.0f')}, peak running "
+                     f"{fmt_or_dash(peak['num_requests_running'], '.0f')}")
     return "\n".join(lines)
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:,.1f} ms" if seconds < 1 else f"{seconds:,.2f} s"
-
-
-def _share(x: float | None) -> str:
-    return "-" if x is None else f"{x:.0%}"
-
-
-def _count(x: float | None) -> str:
-    return "-" if x is None else f"{x:.0f}"
 
 
 def add_cli(subparsers) -> None:

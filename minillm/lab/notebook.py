@@ -60,6 +60,16 @@ class Lab:
         """This build's one profile of the device: every "本机" ceiling comes from it."""
         return machine_profile(self.device)
 
+    def serve(self, **options):
+        """``with lab.serve(...) as server``: ``python -m minillm serve`` of this lab's model in the
+        background, as the lab runs it (random weights, its device, dtype and CPU threads);
+        ``options`` are ``serve_in_background``'s (``num_kv_blocks=512``...)."""
+        from minillm.server.launcher import serve_in_background
+
+        return serve_in_background(self.model_name, weights="random", device=str(self.device),
+                                   dtype=self.dtype_name,
+                                   env={"OMP_NUM_THREADS": str(torch.get_num_threads())}, **options)
+
     @property
     def threads(self) -> str:
         """The thread policy in words, for the lab's header and the book's text."""

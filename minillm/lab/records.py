@@ -199,8 +199,12 @@ def save_run(engine, path: str | Path, slo=None) -> Path:
     return _write_json(path, run_record(engine, slo))
 
 
-def _read(record) -> dict:
-    """A record dict as is, or read from a path."""
+RECORD_KINDS = {RUN_FORMAT: ("run record", "minillm.lab.records.save_run"),
+                CLIENT_RUN_FORMAT: ("client run record", "python -m minillm loadgen")}
+
+
+def _read(record, fmt: str | None = None) -> dict:
+    """A record dict as is, or read from a path; with ``fmt``, checked to be of that format."""
     if isinstance(record, (str, Path)):
         path = Path(record)
         try:
@@ -211,6 +215,10 @@ def _read(record) -> dict:
             raise ValueError(f"the run record {path} is not JSON ({err})") from None
     if not isinstance(record, dict):
         raise ValueError(f"a run record is a JSON object, got {type(record).__name__}")
+    if fmt is not None and record.get("format") != fmt:
+        what, writer = RECORD_KINDS[fmt]
+        raise ValueError(f"not a minillm {what}: format is {record.get('format')!r}, expected "
+                         f"{fmt!r} (written by {writer})")
     return record
 
 
@@ -223,16 +231,12 @@ def load_record(record) -> dict:
 
 def load_run(record) -> dict:
     """A run record dict as is, or read from a path; ``ValueError`` naming what is wrong or missing."""
-    record = _read(record)
-    if record.get("format") != RUN_FORMAT:
-        raise ValueError(f"not a minillm run record: format is {record.get('format')!r}, expected "
-                         f"{RUN_FORMAT!r} (written by minillm.lab.records.save_run)")
+    record = _read(record, RUN_FORMAT)
     missing = _missing(record, "record", "")
     for section in ("engine", "memory", "stats"):
         if section in record:
             missing += _missing(record[section], section, f"{section}.")
-    if missing:
-        raise ValueError(f"incomplete run record: missing {', '.join(missing)}")
+    _check_complete(missing, RUN_FORMAT)
     steps, requests = record["stats"]["steps"], record["requests"]
     if not isinstance(steps, list) or not isinstance(requests, list):
         raise ValueError("stats.steps and requests of a run record must be lists")
@@ -243,9 +247,7 @@ def load_run(record) -> dict:
         missing += _missing(step, "step", f"stats.steps[{i}].")
     for i, request in enumerate(requests):
         missing += _missing(request, "request", f"requests[{i}].")
-    if missing:
-        raise ValueError(f"incomplete run record: missing {', '.join(missing[:5])}"
-                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    _check_complete(missing, RUN_FORMAT)
     return record
 
 
@@ -256,19 +258,21 @@ def save_client_run(record: dict, path: str | Path) -> Path:
 
 def load_client_run(record) -> dict:
     """A client run record dict as is, or read from a path; ``ValueError`` naming what is wrong."""
-    record = _read(record)
-    if record.get("format") != CLIENT_RUN_FORMAT:
-        raise ValueError(f"not a minillm client run record: format is {record.get('format')!r}, "
-                         f"expected {CLIENT_RUN_FORMAT!r} (written by python -m minillm loadgen)")
+    record = _read(record, CLIENT_RUN_FORMAT)
     missing = _missing(record, "client_record", "")
     if not missing and (not isinstance(record["requests"], list) or not record["requests"]):
         raise ValueError("the client run record has no requests")
     for i, request in enumerate(record.get("requests") or []):
         missing += _missing(request, "client_request", f"requests[{i}].")
-    if missing:
-        raise ValueError(f"incomplete client run record: missing {', '.join(missing[:5])}"
-                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    _check_complete(missing, CLIENT_RUN_FORMAT)
     return record
+
+
+def _check_complete(missing: list[str], fmt: str) -> None:
+    """``ValueError`` naming the first few of the ``missing`` keys of a record of ``fmt``."""
+    if missing:
+        raise ValueError(f"incomplete {RECORD_KINDS[fmt][0]}: missing {', '.join(missing[:5])}"
+                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
 
 def _missing(section, kind: str, prefix: str) -> list[str]:

@@ -352,10 +352,9 @@ async def _gather(call: Call, request: Request) -> list[dict]:
 
 # --- serving ---------------------------------------------------------------------------------------
 
-def serve(model, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
-          api_key: str | None = None, max_queue: int | None = 1024, shutdown_timeout: float = 10.0,
-          access_log: bool = False, device=None, dtype=None, weights: str = "auto",
-          **engine_args) -> int:
+def serve(model, *, host: str, port: int, max_queue: int | None, shutdown_timeout: float,
+          served_model_name: str | None = None, api_key: str | None = None, access_log: bool = False,
+          device=None, dtype=None, weights: str = "auto", **engine_args) -> int:
     """Load ``model`` into an ``LLMEngine`` (``engine_args`` are ``EngineConfig``'s), serve it on
     ``host:port`` until SIGTERM or SIGINT, shut down gracefully and return 0."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")

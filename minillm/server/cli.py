@@ -11,6 +11,8 @@ import sys
 ENGINE_OPTIONS = ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
                   "max_num_batched_tokens", "gpu_memory_utilization", "memory_limit",
                   "enable_chunked_prefill")
+MAX_QUEUE = 1024  # requests that may wait for their first step
+SHUTDOWN_TIMEOUT_S = 10.0  # on SIGTERM/SIGINT, what in-flight requests get to finish
 
 
 def add_cli(subparsers) -> None:
@@ -37,11 +39,11 @@ def add_cli(subparsers) -> None:
                           "--no-enable-chunked-prefill a prompt must fit --max-num-batched-tokens")
     cmd.add_argument("--served-model-name", help="the name clients ask for (default: MODEL as given)")
     cmd.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
-    cmd.add_argument("--max-queue", type=int, default=1024,
-                     help="requests waiting at most; beyond it 503 with Retry-After (default 1024)")
-    cmd.add_argument("--shutdown-timeout", type=float, default=10.0,
+    cmd.add_argument("--max-queue", type=int, default=MAX_QUEUE,
+                     help="requests waiting at most; beyond it 503 with Retry-After (default %(default)s)")
+    cmd.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
                      help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they "
-                          "are aborted (default 10)")
+                          "are aborted (default %(default)g)")
     cmd.add_argument("--access-log", action="store_true", help="log every HTTP request")
     cmd.set_defaults(func=run_cli)
 
