@@ -75,24 +75,39 @@ def cmd_estimate(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    """One prompt through the engine, its answer streamed to stdout as it is generated; the
+    request's length, finish reason, TTFT and TPOT on stderr."""
     from minillm import LLM, SamplingParams
+    from minillm.engine.loader import torch_dtype
+    from minillm.server.detokenizer import Detokenizer
 
     if (args.prompt is None) == (args.token_ids is None):
         raise CLIError("give exactly one of --prompt TEXT or --token-ids 1,2,3")
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed)
-        llm = LLM(args.model, device=args.device, weights=args.weights,
+        llm = LLM(args.model, device=args.device, dtype=torch_dtype(args.dtype), weights=args.weights,
                   num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len)
-        prompt = args.prompt if args.prompt is not None else args.token_ids
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        if args.token_ids is not None:
+            prompt = args.token_ids
+        elif args.raw or not getattr(llm.tokenizer, "chat_template", None):
+            prompt = llm.prompt_token_ids(args.prompt)
+        else:
+            prompt = llm.chat_prompt_ids([{"role": "user", "content": args.prompt}])
+        llm.add_request("cli", prompt, params)
     except ValueError as err:
         raise CLIError(str(err)) from None
-    print(out.text if out.text is not None else " ".join(map(str, out.token_ids)))
+    text = Detokenizer(llm.tokenizer)
+    while llm.has_unfinished():
+        for out in llm.step():
+            text.add(out.new_token_ids, finished=out.finished)
+            print(text.take(finished=out.finished), end="", flush=True)
+    if llm.tokenizer is None:
+        print(" ".join(map(str, out.token_ids)), end="")
+    print(flush=True)
     m = out.metrics
-    print(f"[{len(out.token_ids)} tokens, finish={out.finish_reason}, TTFT {m.ttft * 1e3:.1f} ms, "
-          f"TPOT {m.tpot * 1e3:.1f} ms]" if m.tpot is not None else
-          f"[{len(out.token_ids)} tokens, finish={out.finish_reason}, TTFT {m.ttft * 1e3:.1f} ms]",
+    tpot = f", TPOT {m.tpot * 1e3:.1f} ms" if m.tpot is not None else ""
+    print(f"[{len(out.token_ids)} tokens, finish={out.finish_reason}, TTFT {m.ttft * 1e3:.1f} ms{tpot}]",
           file=sys.stderr)
     return 0
 
@@ -145,16 +160,26 @@ def build_parser() -> argparse.ArgumentParser:
     est.set_defaults(func=cmd_estimate)
     from minillm.engine.loader import TORCH_DTYPES
 
-    gen = commands.add_parser("generate", help="generate from one prompt with the engine")
-    gen.add_argument("--model", required=True, help="directory with config.json (+ weights), preset or hub id")
-    gen.add_argument("--prompt", help="prompt text (needs a tokenizer in the model folder)")
+    gen = commands.add_parser(
+        "generate", help="answer one prompt with the engine, streamed",
+        description="Answer one prompt with the engine, streaming the text as it is generated, e.g. "
+                    "python -m minillm generate smollm2-135m --prompt \"Explain the KV cache in three "
+                    "sentences.\" A text prompt goes through the model's chat template when it has one "
+                    "(--raw sends it as it is).")
+    gen.add_argument("model", help="preset (smollm2-135m: the real SmolLM2-135M-Instruct), .gguf file, "
+                                   "directory with config.json (+ weights) or hub id")
+    gen.add_argument("--prompt", help="prompt text (needs a tokenizer: presets other than "
+                                      "smollm2-135m have none)")
+    gen.add_argument("--raw", action="store_true", help="send --prompt as it is, without the chat template")
     gen.add_argument("--token-ids", type=_ints, help="prompt as comma-separated token ids")
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--device", help="cpu or cuda (default: $MINILLM_DEVICE, else CUDA if present)")
+    gen.add_argument("--dtype", choices=sorted(TORCH_DTYPES), help="default: the model's on CUDA, "
+                                                                   "float32 on the CPU")
     gen.add_argument("--weights", default="auto", choices=["auto", "random"])
     gen.add_argument("--num-kv-blocks", type=int, default=256, help="KV blocks of 16 tokens (default 256)")
     gen.add_argument("--max-model-len", type=int, help="longest request (default: what the pool holds)")

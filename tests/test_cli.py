@@ -43,14 +43,14 @@ def test_estimate_errors_are_one_line_exit_2(argv, message):
 
 
 def test_generate_prints_the_new_tokens(capsys):
-    argv = ["generate", "--model", "tiny", "--weights", "random", "--token-ids", "5,6,7", "--max-tokens", "4"]
+    argv = ["generate", "tiny", "--weights", "random", "--token-ids", "5,6,7", "--max-tokens", "4"]
     assert main(argv) == 0
     first = capsys.readouterr().out.split()
     assert len(first) == 4 and all(0 <= int(t) < 4096 for t in first)
 
 
 def test_generate_without_weights_is_a_clear_error():
-    result = run("generate", "--model", "tiny", "--token-ids", "5,6")
+    result = run("generate", "tiny", "--token-ids", "5,6")
     assert result.returncode == 2 and "weights='random'" in result.stderr
 
 

@@ -7,7 +7,7 @@ import torch
 
 from minillm.lab.bench_throughput import (_hf_batch, _transformers_model, bench_throughput,
                                       format_throughput)
-from minillm.engine.config import load_config, resolve_model_dir
+from minillm.engine.config import load_config, resolve_checkpoint
 from minillm import LLM
 from minillm.engine.loader import load_model
 from minillm.engine.sampling import SamplingParams
@@ -121,7 +121,7 @@ def test_bench_throughput_runs_both_engines_on_the_same_work():
 def test_the_benchmark_gives_transformers_the_same_model():
     """Left-padded static batches in transformers compute the same greedy tokens as minillm."""
     net = load_model("tiny", device="cpu", dtype=torch.float64, weights="random")
-    hf = _transformers_model(resolve_model_dir("tiny"), net)
+    hf = _transformers_model(resolve_checkpoint("tiny"), net)
     prompts = random_prompts([7, 3, 12], net.config.vocab_size, seed=1)
     theirs = _hf_batch(hf, prompts, 5)[:, -5:].tolist()
     ours = LLM(net, block_size=4, num_kv_blocks=32).generate(

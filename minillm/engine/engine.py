@@ -98,6 +98,25 @@ class LLMEngine:
                              f"got {bad[:5]}")
         return [int(t) for t in ids]
 
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """A conversation (``[{"role": "user", "content": "..."}, ...]``) rendered by the model's
+        chat template, as token ids (the template writes its own special tokens); ``ValueError``
+        when the model has no template or the template refuses the messages."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            what = "no tokenizer" if self.tokenizer is None else "a tokenizer without a chat template"
+            raise ValueError(f"this model has {what}, so no chat template to render messages with: "
+                             f"send a plain prompt, or load a model whose tokenizer has one")
+        if not messages:
+            raise ValueError("messages must not be empty")
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except (TemplateError, ValueError, TypeError) as err:
+            raise ValueError(f"the chat template refused the messages: {err}") from None
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def next_request_id(self) -> str:
         self._next_id += 1
         return str(self._next_id - 1)

@@ -59,6 +59,14 @@ class LLM(LLMEngine):
         return [results[i] for i in ids]
 
 
+    def chat(self, conversations, params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Answer each conversation (a list of ``{"role", "content"}`` messages, or a list of such
+        lists) through the model's chat template, as ``generate`` does for prompts."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate([self.chat_prompt_ids(list(c)) for c in conversations], params, use_tqdm)
+
+
 def _per_prompt(params, count: int) -> list[SamplingParams]:
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * count

@@ -1,8 +1,10 @@
 """Building the model and filling in its weights (chapter 预填充).
 
 ``load_model`` accepts a Hugging Face folder (``config.json`` + ``model.safetensors``, or shards
-listed in ``model.safetensors.index.json``), a preset name under ``data/models/`` (a config only),
-a hub id (downloaded when online) or a ``ModelConfig``. The model is first built on the meta
+listed in ``model.safetensors.index.json``), a ``.gguf`` file (``minillm.engine.gguf_file``: config,
+dequantized weights and tokenizer from the one file), a preset name under ``data/models/`` (a
+config only, or ``smollm2-135m``: the real SmolLM2-135M-Instruct GGUF), a hub id (downloaded when
+online) or a ``ModelConfig``. The model is first built on the meta
 device, which allocates nothing; then all its weights get one buffer on the target device, and
 each checkpoint tensor is read straight onto that device. ``weights="random"`` fills the real
 shape with small random values instead, so an 8B-shaped model can be timed on a GPU without its
@@ -20,8 +22,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minillm.engine.config import ModelConfig, load_config, preset_names, resolve_model_dir
+from minillm.engine.config import ModelConfig, load_config, preset_names, resolve_checkpoint
 from minillm.engine.device import pick_device
+from minillm.engine.gguf_file import GGUFFile, checked_tensors, gguf_tokenizer, read_weights
 from minillm.engine.model import RMSNorm, Transformer
 
 WEIGHT_CHOICES = ("auto", "random")
@@ -47,41 +50,44 @@ def load_model(model: str | Path | ModelConfig, device: torch.device | str | Non
     device = torch.device(device) if device is not None else pick_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} asked for, but CUDA is not available here")
-    config, folder = _resolve(model, weights)
-    checkpoint = _checkpoint_tensors(folder) if weights == "auto" else {}
+    config, source = _resolve(model, weights)
+    checkpoint = _open_checkpoint(source, config) if weights == "auto" else None
     dtype = dtype if dtype is not None else _default_dtype(config, device)
 
     with torch.device("meta"):
         net = Transformer(config)
-    if weights == "auto":
-        _check_checkpoint(net, checkpoint, folder)
+    if checkpoint is not None:
+        _check_checkpoint(net, checkpoint.shapes(), source)
     _allocate_weights(net.eval(), device, dtype)
     with torch.no_grad():
-        if weights == "auto":
-            _copy_checkpoint(net, checkpoint, device)
+        if checkpoint is not None:
+            params = dict(net.named_parameters(remove_duplicate=False))
+            for name, tensor in checkpoint.tensors(device):
+                params[name].copy_(tensor)
         else:
             _init_random(net, device)
-    net.tokenizer = _load_tokenizer(folder)
+    net.tokenizer = _load_tokenizer(source)
     return net
 
 
 def _resolve(model, weights: str) -> tuple[ModelConfig, Path | None]:
-    """The config and the folder holding it (None for a bare ModelConfig)."""
+    """The config and where it came from: a folder, a ``.gguf`` file, or None for a bare ModelConfig."""
     if isinstance(model, ModelConfig):
         if weights == "auto":
             raise ValueError(f"a ModelConfig ({model.name}) carries no weights: pass weights='random' "
                              f"or a checkpoint folder")
         return model, None
-    folder = resolve_model_dir(model)
-    if folder is not None:
-        return load_config(model), folder
+    source = resolve_checkpoint(model)
+    if source is not None:
+        return load_config(model), source
     folder = _download(str(model), weights)
     return load_config(folder).replace(name=str(model)), folder
 
 
 def _download(repo_id: str, weights: str) -> Path:
     """Fetch a hub repository's config, tokenizer and (for weights='auto') safetensors."""
-    where = f"not a folder with config.json, not a preset ({', '.join(preset_names())})"
+    where = (f"not a folder with config.json, not a .gguf file, not a preset "
+             f"({', '.join(preset_names())})")
     if not _HUB_ID.fullmatch(repo_id):
         raise ValueError(f"unknown model {repo_id!r}: {where}, nor a hub id like 'org/name'")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
@@ -121,54 +127,77 @@ def _default_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def _checkpoint_tensors(folder: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from the shard index or the single file."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        with open(index) as f:
-            return {name: folder / file for name, file in json.load(f)["weight_map"].items()}
-    single = folder / "model.safetensors"
-    if single.is_file():
+class SafetensorsCheckpoint:
+    """A Hugging Face folder's weights: ``model.safetensors``, or the shards its index lists."""
+
+    def __init__(self, folder: Path):
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            with open(index) as f:
+                self.files = sorted({folder / file for file in json.load(f)["weight_map"].values()})
+        elif (folder / "model.safetensors").is_file():
+            self.files = [folder / "model.safetensors"]
+        else:
+            raise ValueError(f"{folder} has no weights (no model.safetensors nor "
+                             f"model.safetensors.index.json; a preset holds only its config): load it "
+                             f"with weights='random' for random values at this shape")
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
         from safetensors import safe_open
 
-        with safe_open(single, framework="pt") as f:
-            return {name: single for name in f.keys()}
-    raise ValueError(f"{folder} has no weights (no model.safetensors nor "
-                     f"model.safetensors.index.json; a preset holds only its config): load it "
-                     f"with weights='random' for random values at this shape")
+        shapes = {}
+        for file in self.files:
+            with safe_open(file, framework="pt") as f:
+                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        return {name: shape for name, shape in shapes.items() if not name.endswith("rotary_emb.inv_freq")}
+
+    def tensors(self, device: torch.device):
+        """(name, tensor) for every tensor, read straight onto ``device``."""
+        from safetensors import safe_open
+
+        for file in self.files:
+            with safe_open(file, framework="pt", device=str(device)) as f:
+                for name in f.keys():
+                    if not name.endswith("rotary_emb.inv_freq"):
+                        yield name, f.get_tensor(name)
 
 
-def _check_checkpoint(net: Transformer, checkpoint: dict[str, Path], folder: Path) -> None:
+class GGUFCheckpoint:
+    """A ``.gguf`` file's weights, dequantized to float32 one tensor at a time."""
+
+    def __init__(self, path: Path, config: ModelConfig):
+        self.file, self.config = GGUFFile(path), config
+        self.entries = checked_tensors(self.file)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tensor.shape for name, tensor in self.entries.items()}
+
+    def tensors(self, device: torch.device):
+        return read_weights(self.file, self.config)
+
+
+def _open_checkpoint(source: Path | None, config: ModelConfig):
+    if source is None:
+        raise ValueError(f"{config.name}: no checkpoint to load weights from")
+    if source.suffix == ".gguf":
+        return GGUFCheckpoint(source, config)
+    return SafetensorsCheckpoint(source)
+
+
+def _check_checkpoint(net: Transformer, shapes: dict[str, tuple[int, ...]], source: Path) -> None:
     """Every parameter present with its shape, nothing unknown: checked before allocating."""
-    from safetensors import safe_open
-
     expected = dict(net.named_parameters(remove_duplicate=False))
     if net.config.tie_word_embeddings:
         expected.pop("lm_head.weight")  # tied checkpoints usually leave it out
-    names = {name for name in checkpoint if not name.endswith("rotary_emb.inv_freq")}
-    unknown = sorted(names - expected.keys() - {"lm_head.weight"})
-    missing = sorted(expected.keys() - names)
+    unknown = sorted(shapes.keys() - expected.keys() - {"lm_head.weight"})
+    missing = sorted(expected.keys() - shapes.keys())
     if unknown or missing:
-        raise ValueError(f"{folder}: checkpoint does not match {net.config.model_type} "
+        raise ValueError(f"{source}: checkpoint does not match {net.config.model_type} "
                          f"(missing {missing[:5]}, unexpected {unknown[:5]})")
-    for file in sorted(set(checkpoint.values())):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                if name in expected and tuple(f.get_slice(name).get_shape()) != expected[name].shape:
-                    raise ValueError(f"{file.name}: {name} has shape {f.get_slice(name).get_shape()}, "
-                                     f"the config says {tuple(expected[name].shape)}")
-
-
-def _copy_checkpoint(net: Transformer, checkpoint: dict[str, Path], device: torch.device) -> None:
-    """Read each tensor onto the device and copy it (cast to the model's dtype) into its parameter."""
-    from safetensors import safe_open
-
-    params = dict(net.named_parameters(remove_duplicate=False))
-    for file in sorted(set(checkpoint.values())):
-        with safe_open(file, framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                if name in params:
-                    params[name].copy_(f.get_tensor(name))
+    for name, shape in sorted(shapes.items()):
+        if name in expected and shape != tuple(expected[name].shape):
+            raise ValueError(f"{source.name}: {name} has shape {list(shape)}, "
+                             f"the config says {tuple(expected[name].shape)}")
 
 
 def _allocate_weights(net: Transformer, device: torch.device, dtype: torch.dtype) -> None:
@@ -214,10 +243,13 @@ def _init_random(net: Transformer, device: torch.device) -> None:
                 module.bias.zero_()
 
 
-def _load_tokenizer(folder: Path | None):
-    """The folder's transformers tokenizer, or None when it ships none (presets, bare configs)."""
-    if folder is None or not any((folder / name).is_file() for name in TOKENIZER_FILES):
+def _load_tokenizer(source: Path | None):
+    """The checkpoint's transformers tokenizer (a folder's files, or a GGUF's metadata), or None
+    when it ships none (presets, bare configs)."""
+    if source is not None and source.suffix == ".gguf":
+        return gguf_tokenizer(GGUFFile(source))
+    if source is None or not any((source / name).is_file() for name in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(source)

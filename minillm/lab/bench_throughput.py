@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from minillm.engine.config import load_config, resolve_model_dir
+from minillm.engine.config import load_config, resolve_checkpoint
 from minillm.engine.device import resolve_device, synchronize
 from minillm.engine.llm import LLM
 from minillm.engine.loader import TORCH_DTYPES, load_model
@@ -42,7 +42,7 @@ def bench_throughput(model: str = "small", device=None, dtype: torch.dtype | Non
     """
     if hf_batch_size < 1:
         raise ValueError(f"hf_batch_size must be >= 1, got {hf_batch_size}")
-    folder = resolve_model_dir(model)
+    folder = resolve_checkpoint(model)
     if folder is None:
         raise ValueError(f"model must be a preset or a folder with config.json, got {model!r}")
     device = resolve_device(device)

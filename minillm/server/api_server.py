@@ -30,7 +30,6 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
 from minillm.engine.engine import LLMEngine
@@ -232,22 +231,12 @@ def _prompt_ids(engine: LLMEngine, prompt: str | list[int]) -> list[int]:
 
 
 def _chat_prompt(engine: LLMEngine, body: ChatCompletionRequest) -> list[int]:
-    """The messages through the tokenizer's chat template, as token ids (no second BOS)."""
-    tokenizer = engine.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        what = "no tokenizer" if tokenizer is None else "a tokenizer without a chat template"
-        raise APIError(400, f"this model has {what}, so no chat template to render the messages "
-                            f"with: use /v1/completions, or serve a model whose tokenizer has one "
-                            f"(chat_template in tokenizer_config.json)", param="messages")
-    if not body.messages:
-        raise APIError(400, "messages must not be empty", param="messages")
-    messages = [m.as_template_input() for m in body.messages]
+    """The messages through the model's chat template, as token ids."""
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=body.add_generation_prompt)
-    except (TemplateError, ValueError) as err:
-        raise APIError(400, f"the chat template refused the messages: {err}", param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+        return engine.chat_prompt_ids([m.as_template_input() for m in body.messages],
+                                      add_generation_prompt=body.add_generation_prompt)
+    except ValueError as err:
+        raise APIError(400, str(err), param="messages") from None
 
 
 def _start(async_engine: AsyncEngine, model_name: str, prefix: str, body: GenerationRequest,
