@@ -197,3 +197,19 @@ def test_smollm2_config_and_tokenizer_from_its_metadata():
     rendered = ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert rendered.startswith("<|im_start|>system\n") and rendered.endswith("<|im_start|>assistant\n")
     assert ours.convert_tokens_to_ids("<|im_end|>") == 2
+
+
+def test_bench_throughput_gives_transformers_the_gguf_weights(tmp_path, tiny_hf):
+    from minillm import LLM, SamplingParams
+    from minillm.lab.bench_throughput import _hf_batch, _transformers_model, bench_throughput
+
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_hf, Q.Q8_0)
+    net = load_model(path, device="cpu", dtype=torch.float64)
+    hf = _transformers_model(path, net)
+    prompts = [[5, 17, 3, 80], [9, 1, 44]]
+    ours = LLM(net, block_size=4, num_kv_blocks=16).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert _hf_batch(hf, prompts, 6)[:, -6:].tolist() == [o.token_ids for o in ours]
+    result = bench_throughput(str(path), device="cpu", num_requests=100, scale=0.02, hf_batch_size=2)
+    assert result["weights"] == "auto" and result["model"] == "tiny"
+    assert result["minillm"]["output_tokens"] == result["transformers"]["output_tokens"]

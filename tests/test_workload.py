@@ -114,7 +114,11 @@ def test_bench_throughput_runs_both_engines_on_the_same_work():
     assert result["ratio"] == (result["minillm"]["output_throughput"]
                                / result["transformers"]["output_throughput"])
     assert "minillm / transformers" in format_throughput(result)
-    with pytest.raises(ValueError, match="preset or a folder"):
+    single = result["single"]
+    assert single["ratio"] == (single["minillm"]["output_throughput"]
+                               / single["transformers"]["output_throughput"])
+    assert len(single["minillm"]["runs"]) == 3 and single["input_tokens"] == 8
+    with pytest.raises(ValueError, match="a preset, a folder"):
         bench_throughput("no-such-model")
 
 

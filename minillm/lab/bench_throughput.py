@@ -1,13 +1,19 @@
 """Offline throughput: minillm against Hugging Face ``generate()`` (chapter 调度).
 
-Both engines get the same model weights and the same workload (random prompts, lengths uniform in
-a range, ``ignore_eos``, all requests at once), in one run. minillm runs it with continuous
-batching over its paged cache; transformers runs it the way it is usually served: static batches,
-left-padded to the longest prompt, each batch decoding until its longest answer is done. Both
-count only the tokens each request asked for, so the ratio is of useful work per second.
+Both engines get the same model weights and, in one run, the same two workloads: one request alone
+(B=1, the two engines in turns, the median of a few runs), then a mixed batch (random prompts,
+lengths uniform in a range, ``ignore_eos``, all requests at once). minillm runs the batch with
+continuous batching over its paged cache; transformers runs it the way it is usually served:
+static batches, left-padded to the longest prompt, each batch decoding until its longest answer
+is done. Both count only the tokens each request asked for, so the ratio is of useful work per
+second; the cost per computed token sets the engines' arithmetic side by side.
+
+A GGUF model (``smollm2-135m``) runs with its real weights, which transformers gets too, from the
+same file; a preset runs with random weights at its shape (throughput does not depend on them).
 """
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 
@@ -21,10 +27,12 @@ from minillm.engine.sampling import SamplingParams
 from minillm.engine.units import ceil_div
 from minillm.lab import records
 from minillm.lab.hardware import describe_device
-from minillm.lab.workload import Workload, random_prompts, throughput_workload
+from minillm.lab.workload import Workload, make_workload, random_prompts, throughput_workload
 
 WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 CPU_SCALE = 0.25  # the CPU runs a quarter of the workload: 64 requests, lengths 25-256
+SINGLE_LENGTH = 256  # the B=1 request: this many prompt and output tokens, times the scale
+SINGLE_REPEATS = 3  # B=1 runs per engine, in turns; the median counts
 
 
 def bench_throughput(model: str = "small", device=None, dtype: torch.dtype | None = None,
@@ -32,25 +40,30 @@ def bench_throughput(model: str = "small", device=None, dtype: torch.dtype | Non
                      hf_batch_size: int = 16, max_num_seqs: int = 256,
                      max_num_batched_tokens: int = 2048, num_kv_blocks: int | None = None,
                      memory_limit=None, block_size: int = 16, run_transformers: bool = True) -> dict:
-    """Run the offline throughput workload on minillm and (unless ``run_transformers=False``) on
-    transformers; return both measurements and the ratio of output tokens per second.
+    """Run the B=1 request and the offline throughput workload on minillm and (unless
+    ``run_transformers=False``) on transformers; return the measurements and the ratios of output
+    tokens per second.
 
-    ``model``: a preset or a folder with ``config.json`` (weights are random: throughput does not
-    depend on their values). ``scale``: of the standard workload (default 1 on CUDA,
-    ``CPU_SCALE`` on the CPU). ``num_kv_blocks=None``: the planner decides on a GPU (or with
-    ``memory_limit``); on the CPU, which has no card to plan, the pool holds every request at once.
+    ``model``: a preset, a folder with ``config.json`` or a ``.gguf`` file (a GGUF's real weights;
+    random ones otherwise). ``scale``: of the standard workload (default 1 on CUDA, ``CPU_SCALE``
+    on the CPU). ``num_kv_blocks=None``: the planner decides on a GPU (or with ``memory_limit``);
+    on the CPU, which has no card to plan, the pool holds every request at once.
     """
     if hf_batch_size < 1:
         raise ValueError(f"hf_batch_size must be >= 1, got {hf_batch_size}")
-    folder = resolve_checkpoint(model)
-    if folder is None:
-        raise ValueError(f"model must be a preset or a folder with config.json, got {model!r}")
+    source = resolve_checkpoint(model)
+    if source is None:
+        raise ValueError(f"model must be a preset, a folder with config.json or a .gguf file, "
+                         f"got {model!r}")
     device = resolve_device(device)
     if scale is None:
         scale = 1.0 if device.type == "cuda" else CPU_SCALE
-    workload = throughput_workload(load_config(folder).vocab_size, num_requests, scale=scale,
-                                   seed=seed)
-    net = load_model(folder, device=device, dtype=dtype, weights="random")
+    vocab_size = load_config(model).vocab_size
+    workload = throughput_workload(vocab_size, num_requests, scale=scale, seed=seed)
+    single_length = max(8, round(SINGLE_LENGTH * scale))
+    single = make_workload("single", [single_length], [single_length], vocab_size, seed=seed)
+    weights = "auto" if source.suffix == ".gguf" else "random"
+    net = load_model(model, device=device, dtype=dtype, weights=weights)
     if num_kv_blocks is None and net.device.type == "cpu" and memory_limit is None:
         num_kv_blocks = sum(ceil_div(len(p) + sp.max_tokens, block_size)
                             for p, sp in zip(workload.prompts, workload.params))
@@ -58,19 +71,25 @@ def bench_throughput(model: str = "small", device=None, dtype: torch.dtype | Non
                        max_num_batched_tokens=max_num_batched_tokens, memory_limit=memory_limit)
     result = {
         "model": net.config.name,
+        "weights": weights,
         "device": describe_device(net.device).name,
         "dtype": str(net.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads() if net.device.type == "cpu" else None,
+        "single": {"input_tokens": single_length, "output_tokens": single_length},
         "workload": {"num_requests": len(workload), "scale": scale, "seed": seed,
                      "input_tokens": sum(workload.input_lens),
                      "output_tokens": sum(workload.output_lens),
                      "length_range": [min(workload.input_lens + workload.output_lens),
                                       max(workload.input_lens + workload.output_lens)]},
-        "minillm": _run_minillm(net, workload, engine_args),
     }
+    llm = LLM(net, **engine_args)
+    hf = _transformers_model(source, net) if run_transformers else None
+    result["single"] |= _run_single(llm, hf, single)
+    result["minillm"] = _run_minillm(llm, workload)
+    del llm
     if net.device.type == "cuda":  # the KV pool is gone: give its memory to transformers
         torch.cuda.empty_cache()
     if run_transformers:
-        hf = _transformers_model(folder, net)
         result["transformers"] = _run_transformers(hf, workload, hf_batch_size)
         result["ratio"] = (result["minillm"]["output_throughput"]
                            / result["transformers"]["output_throughput"])
@@ -82,11 +101,41 @@ def bench_throughput(model: str = "small", device=None, dtype: torch.dtype | Non
     return result
 
 
-def _run_minillm(net, workload: Workload, engine_args: dict) -> dict:
-    """minillm on the workload, after a warm-up; its KV pool is freed on return."""
-    llm = LLM(net, **engine_args)
-    device = net.device
-    llm.generate(_warmup_prompts(net.config.vocab_size), WARMUP_PARAMS, use_tqdm=False)
+def _run_single(llm: LLM, hf, single: Workload) -> dict:
+    """One request alone, on minillm and on transformers (``hf``, or None) in turns, after a
+    warm-up each: the median seconds of ``SINGLE_REPEATS`` runs, output tokens per second and the
+    ratio (the same tokens are computed on both sides, so it is also the cost per token's)."""
+    llm.generate(_warmup_prompts(llm.model.config.vocab_size), WARMUP_PARAMS, use_tqdm=False)
+    runs = {"minillm": [], "transformers": []}
+    for _ in range(SINGLE_REPEATS):
+        runs["minillm"].append(_timed(lambda: llm.generate(single.prompts, single.params, use_tqdm=False),
+                                      llm.model.device))
+        if hf is not None:
+            runs["transformers"].append(_timed(lambda: _hf_batch(hf, single.prompts, single.output_lens[0]),
+                                               hf.device))
+    result = {}
+    for name, seconds in runs.items():
+        if seconds:
+            median = statistics.median(seconds)
+            result[name] = {"seconds": median, "runs": seconds,
+                            "output_throughput": single.output_lens[0] / median}
+    if hf is not None:
+        result["ratio"] = result["minillm"]["output_throughput"] / result["transformers"]["output_throughput"]
+    return result
+
+
+def _timed(fn, device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def _run_minillm(llm: LLM, workload: Workload) -> dict:
+    """minillm on the workload, after a warm-up."""
+    device = llm.model.device
+    llm.generate(_warmup_prompts(llm.model.config.vocab_size), WARMUP_PARAMS, use_tqdm=False)
     synchronize(device)
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, workload.params, use_tqdm=False)
@@ -108,11 +157,16 @@ def _warmup_prompts(vocab_size: int) -> list[list[int]]:
     return random_prompts([32, 24], vocab_size, seed=-1)
 
 
-def _transformers_model(folder, net):
-    """The transformers model of the same config, holding minillm's weights."""
+def _transformers_model(source, net):
+    """The transformers model of the same config (a folder's, or a GGUF file's as transformers
+    reads it), holding minillm's weights (for a GGUF: transformers' own dequantization of the file,
+    bit for bit, as tests/test_gguf.py checks)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(folder)
+    if source.suffix == ".gguf":
+        config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+    else:
+        config = AutoConfig.from_pretrained(source)
     with torch.device(net.device):
         hf = AutoModelForCausalLM.from_config(config, dtype=net.dtype)
     hf.load_state_dict(net.state_dict())
@@ -159,10 +213,22 @@ def _hf_batch(hf, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
 def format_throughput(result: dict) -> str:
     """The result as a few readable lines (what the CLI prints)."""
     w = result["workload"]
-    lines = [f"model {result['model']} ({result['dtype']}) on {result['device']}",
-             f"workload: {w['num_requests']:,} requests, lengths {w['length_range'][0]:,}-"
-             f"{w['length_range'][1]:,}, {w['input_tokens']:,} input + {w['output_tokens']:,} "
-             f"output tokens"]
+    threads = f", {result['threads']} CPU threads" if result.get("threads") else ""
+    single = result["single"]
+    weights = "real" if result["weights"] == "auto" else "random"
+    lines = [f"model {result['model']} ({result['dtype']}, {weights} weights) on "
+             f"{result['device']}{threads}",
+             f"B=1: one request of {single['input_tokens']:,} prompt + {single['output_tokens']:,} "
+             f"output tokens, median of {SINGLE_REPEATS} runs each"]
+    for name in ("minillm", "transformers"):
+        if name in single:
+            lines.append(f"{name:>12}: {single[name]['output_throughput']:,.1f} output tok/s "
+                         f"({single[name]['seconds']:,.2f} s)")
+    if "ratio" in single:
+        lines.append(f"minillm / transformers at B=1 (output tok/s, = cost per token): {single['ratio']:.2f}x")
+    lines.append(f"batch: {w['num_requests']:,} requests, lengths {w['length_range'][0]:,}-"
+                 f"{w['length_range'][1]:,}, {w['input_tokens']:,} input + {w['output_tokens']:,} "
+                 f"output tokens")
     for name in ("minillm", "transformers"):
         if name in result:
             r = result[name]
@@ -179,8 +245,10 @@ def format_throughput(result: dict) -> str:
 
 def add_cli(bench_commands) -> None:
     """Register ``throughput`` on the ``bench`` subcommands (``minillm.lab.bench.add_cli`` returns them)."""
-    cmd = bench_commands.add_parser("throughput", help="offline throughput: minillm vs transformers")
-    cmd.add_argument("--model", default="small", help="preset name or directory with config.json")
+    cmd = bench_commands.add_parser("throughput", help="offline throughput: minillm vs transformers, "
+                                                       "B=1 and a mixed batch")
+    cmd.add_argument("--model", default="small", help="preset (smollm2-135m: real weights), .gguf file "
+                                                      "or directory with config.json")
     cmd.add_argument("--device", help="cpu or cuda (default: $MINILLM_DEVICE, else CUDA if present)")
     cmd.add_argument("--dtype", choices=sorted(TORCH_DTYPES),
                      help="default: the model's on CUDA, float32 on the CPU")
