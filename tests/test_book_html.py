@@ -5,10 +5,10 @@ test here skips and says so. What it checks, on every chapter page and lab:
 
 - figures: the page shows at least as many figures as its code draws. The rule for "draws": a code
   cell draws one figure per ``plt.show()`` it runs, and a cell tagged ``remove-output`` or
-  ``remove-cell`` shows none of them. That is exact for this book because every figure is drawn as
-  ``fig, ... = plt.subplots(...)`` ... ``plt.show()`` at the top level of a cell (one ``show`` per
-  figure, none in a loop or a function); ``test_figure_rule_is_exact`` fails when a page breaks
-  that pattern, so the count cannot silently go wrong. A shown figure is an ``<img>`` (or ``<svg>``)
+  ``remove-cell`` shows none of them. That is exact for this book because every figure is shown by
+  one ``plt.show()`` at the top level of a cell (none in a loop or a function), drawn there or by a
+  function of the lab kit; ``test_figure_rule_is_exact`` fails when a page breaks that pattern, so
+  the count cannot silently go wrong. A shown figure is an ``<img>`` (or ``<svg>``)
   inside a cell's output, whose image file exists in the build.
 - offline: no page loads a script, stylesheet, font, image or frame from the network, and in
   headless Chromium with the network blocked the math is typeset by MathJax from disk, the lab's
@@ -130,7 +130,7 @@ def cell_figures(code: str) -> tuple[int, list[str]]:
             visit(child, inside or isinstance(node, loops))
 
     visit(tree, False)
-    if makers != shows:
+    if makers > shows:  # fewer makers is fine: a kit function (minillm.lab.plotting) drew the figure
         problems.append(f"{makers} figure(s) made (plt.{'/'.join(FIGURE_MAKERS)}) but {shows} plt.show()")
     return shows, problems
 
@@ -241,6 +241,8 @@ def test_html_parser_sees_figures_and_resources() -> None:
     assert _is_network("https://a/b.js") and _is_network("//a/b.js") and not _is_network("_static/b.js")
     assert cell_figures("fig, ax = plt.subplots()\nax.plot([1])\nplt.show()") == (1, [])
     assert cell_figures("for i in range(2):\n    plt.subplots()\n    plt.show()")[1]
+    assert cell_figures("plot_timeline(result)\nplt.show()") == (1, [])
+    assert cell_figures("fig, ax = plt.subplots()\nax.plot([1])")[1]
 
 
 def test_figure_rule_is_exact() -> None:
@@ -427,3 +429,142 @@ def test_quotes_render_as_chinese_quotes() -> None:
         for block in parse(page).blocks:
             problems += [f"{page.relative_to(HTML)}: {p}" for p in _quote_problems(block)]
     assert not problems, "quotation marks rendered wrong:\n" + "\n".join(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presentation: numbered figures with alt text, normal-weight glue, folded answers, Chinese UI
+
+# Pages not yet rewritten for these checks (issue 19); each leaves the set when it is, and the set
+# must end empty.
+NOT_YET = {_id(s) for s in SOURCES}
+ENGLISH_UI = ("Show code cell", "Hide code cell", "Skip to main content", "Back to top",
+              "Contents", "Print to PDF", "Fullscreen mode", "Download this page", "Search",
+              "previous page", "next page", "By minillm-book")
+ENGLISH_RUN = re.compile(r"\b[A-Za-z][a-z]+(?:[ ,;:]+[A-Za-z][a-z]+){3,}\b")  # 4+ English words
+
+
+class _Presentation(HTMLParser):
+    """Images in cell outputs with their alt text and figure caption; cell outputs outside a fold in
+    the exercises; the text of cell outputs outside lang="en" elements."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stack: list[tuple[str, set[str], dict]] = []
+        self.images: list[dict] = []  # {"alt", "caption"}
+        self._figure: list[dict] | None = None
+        self._caption: list[str] | None = None
+        self.exercise_outputs_unfolded = 0
+        self.in_exercises = False
+        self.output_text: list[str] = []
+        self.text: list[str] = []
+        self._heading: list[str] | None = None
+
+    def _inside(self, test) -> bool:
+        return any(test(tag, classes, attrs) for tag, classes, attrs in self.stack)
+
+    def handle_starttag(self, tag, attrs):
+        a = {k: v or "" for k, v in attrs}
+        classes = set(a.get("class", "").split())
+        if tag == "h2":
+            self._heading, self.in_exercises = [], False
+        if tag == "figure":
+            self._figure = []
+        if tag == "figcaption":
+            self._caption = []
+        in_output = "cell_output" in classes or self._inside(lambda t, c, _: "cell_output" in c)
+        if tag == "img" and in_output:
+            image = {"alt": a.get("alt", ""), "caption": None}
+            self.images.append(image)
+            if self._figure is not None:
+                self._figure.append(image)
+        if "cell_output" in classes and self.in_exercises and not self._inside(
+                lambda t, c, _: "dropdown" in c or t == "details"):
+            self.exercise_outputs_unfolded += 1
+        if tag not in VOID:
+            self.stack.append((tag, classes, a))
+
+    def handle_endtag(self, tag):
+        if tag in VOID:
+            return
+        if tag == "figcaption" and self._caption is not None and self._figure is not None:
+            for image in self._figure:
+                image["caption"] = "".join(self._caption).strip()
+            self._caption = None
+        if tag == "figure":
+            self._figure = None
+        if tag == "h2" and self._heading is not None:
+            self.in_exercises = "动脑筋" in "".join(self._heading)
+            self._heading = None
+        for i in range(len(self.stack) - 1, -1, -1):
+            if self.stack[i][0] == tag:
+                del self.stack[i:]
+                break
+
+    def handle_data(self, data):
+        if self._heading is not None:
+            self._heading.append(data)
+        if self._caption is not None:
+            self._caption.append(data)
+        if self._inside(lambda t, c, _: t in ("script", "style")):
+            return
+        self.text.append(data)
+        if self._inside(lambda t, c, _: "cell_output" in c) and not self._inside(
+                lambda t, c, a: a.get("lang", "").startswith("en")):
+            self.output_text.append(data)
+
+
+def presentation(source: Path) -> _Presentation:
+    p = _Presentation()
+    p.feed(_page(source).read_text(encoding="utf-8"))
+    p.close()
+    return p
+
+
+def test_presentation_parser() -> None:
+    p = _Presentation()
+    p.feed('<figure id="fig-a"><div class="cell_output"><img alt="一张图" src="a.png"/></div>'
+           '<figcaption><p><span class="caption-number">图 1 </span>说明</p></figcaption></figure>'
+           '<div class="cell_output"><img src="b.png"/><p lang="en">The model said this much</p>'
+           '<p>tokens fit = 480,399: the pool holds every token</p></div>'
+           '<section id="id5"><h2>动脑筋</h2><div class="cell_output">x</div>'
+           '<details><div class="cell_output">y</div></details></section>')
+    assert p.images == [{"alt": "一张图", "caption": "图 1 说明"}, {"alt": "", "caption": None}]
+    assert p.exercise_outputs_unfolded == 1
+    assert ENGLISH_RUN.findall(" ".join(p.output_text)) == ["the pool holds every token"]
+
+
+def _rewritten(source: Path) -> None:
+    if _id(source) in NOT_YET:
+        pytest.xfail(f"{_id(source)} is not rewritten for the presentation checks yet")
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=_id)
+def test_figures_are_numbered_captioned_and_described(source: Path) -> None:
+    _rewritten(source)
+    bad = [image for image in presentation(source).images
+           if not re.match(r"图 \d+", image["caption"] or "") or not re.search(f"[{CJK}]", image["alt"])]
+    assert not bad, f"{_id(source)}: figures without a numbered caption or Chinese alt text: {bad}"
+
+
+def test_glued_numbers_are_normal_weight() -> None:
+    css = (HTML / "_static" / "book.css").read_text(encoding="utf-8")
+    assert re.search(r"span\.pasted-text\s*\{\s*font-weight:\s*normal", css)
+    unlinked = [p.relative_to(HTML) for p in ALL_PAGES if "_static/book.css" not in p.read_text(encoding="utf-8")]
+    assert not unlinked, f"pages without book.css: {unlinked[:5]}"
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=_id)
+def test_exercise_answers_fold_whole(source: Path) -> None:
+    _rewritten(source)
+    assert presentation(source).exercise_outputs_unfolded == 0, (
+        f"{_id(source)}: a cell output in 动脑筋 is shown outside a folded answer")
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=_id)
+def test_pages_speak_chinese(source: Path) -> None:
+    _rewritten(source)
+    p = presentation(source)
+    text = " ".join(p.text)
+    assert not [s for s in ENGLISH_UI if s in text], f"{_id(source)}: English UI strings"
+    runs = ENGLISH_RUN.findall(" ".join(p.output_text))
+    assert not runs, f"{_id(source)}: English in cell outputs (mark quoted model answers lang=\"en\"): {runs[:5]}"

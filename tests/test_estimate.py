@@ -7,7 +7,8 @@ from minillm.engine.config import ModelConfig, load_config
 from minillm.lab.estimate import (GB, GiB, KiB, attention_flops_per_token, decode_step, fmt_int,
                               kv_bytes, kv_bytes_per_token, matmul_flops_per_token,
                               matmul_param_count, memory_budget, paged_waste_tokens, param_count,
-                              parse_size, preallocation_waste, prefill, ridge_point, weight_bytes)
+                              parse_size, preallocation_waste, prefill, ridge_point, roofline_floor,
+                              weight_bytes)
 
 TB_S = 1e12
 
@@ -33,7 +34,31 @@ def test_attention_flops(llama8b, ctx, gflop):
 
 @pytest.mark.parametrize("n,intensity", [(512, 478), (2048, 1914)])
 def test_prefill_intensity_is_about_n(llama8b, n, intensity):
-    assert round(prefill(llama8b, n).intensity) == intensity
+    """Every token through every matrix, 2 FLOPs per 2-byte weight: about n FLOP per weight byte."""
+    assert round(n * matmul_flops_per_token(llama8b) / weight_bytes(llama8b)) == intensity
+
+
+def test_prefill_counts_the_output_layer_once_per_sequence(llama8b):
+    """The engine computes logits only at each sequence's last position."""
+    one, eight = prefill(llama8b, 512), prefill(llama8b, 512, sequences=8)
+    head = 2 * llama8b.vocab_size * llama8b.hidden_size
+    assert one.linear_flops == 512 * (matmul_flops_per_token(llama8b) - head) + head
+    assert eight.linear_flops - one.linear_flops == 7 * head
+    assert eight.attention_flops < one.attention_flops  # eight short causal triangles
+    assert one.intensity == one.flops / one.bytes < 512 * matmul_flops_per_token(llama8b) / weight_bytes(llama8b)
+
+
+def test_one_floor_names_its_binding_ceiling(llama8b):
+    """max(F / P, M / W): prefill of 2,048 tokens is compute-bound on an H100-like card, a decode
+    step at B=1 memory-bound; the floor is never below either side."""
+    P, W = 989e12, 3.35e12
+    pre = prefill(llama8b, 2048).floor(P, W)
+    dec = decode_step(llama8b, 1, 1024, W).floor(P)
+    assert (pre.bound, dec.bound) == ("compute", "memory")
+    for f in (pre, dec):
+        assert f.seconds == max(f.flops / P, f.bytes / W) and f.share_of(2 * f.seconds) == 0.5
+    with pytest.raises(ValueError):
+        roofline_floor(1.0, 0.0, P, W)
 
 
 @pytest.mark.parametrize("batch,gb,ms,tok_s", [(1, 16.19, 16.19, "62"), (16, 18.21, 18.21, "879"),
@@ -130,7 +155,7 @@ def test_prefill_crossover_sits_near_the_ridge(llama8b):
     from minillm.lab.gpus import lookup_gpu
     h100 = lookup_gpu("H100 SXM")
     n = prefill_crossover(llama8b, h100.bf16_flops, h100.bandwidth)
-    assert n == 316
+    assert n == 339  # above the ridge (295 FLOP/byte): the output layer runs once, not per token
     before, at = prefill(llama8b, n - 1), prefill(llama8b, n)
     assert before.flops / h100.bf16_flops < before.bytes / h100.bandwidth
     assert at.flops / h100.bf16_flops >= at.bytes / h100.bandwidth

@@ -70,6 +70,20 @@ def load_model(model: str | Path | ModelConfig, device: torch.device | str | Non
     return net
 
 
+def checkpoint_weights(model) -> str:
+    """``"auto"`` when ``model`` ships weights (a ``.gguf`` file, a folder with safetensors),
+    ``"random"`` when it is only a shape (a preset, a bare config). Hub ids count as shipping them."""
+    if isinstance(model, ModelConfig):
+        return "random"
+    source = resolve_checkpoint(model)
+    if source is None:
+        return "auto"
+    if source.suffix == ".gguf":
+        return "auto"
+    has = (source / "model.safetensors").is_file() or (source / "model.safetensors.index.json").is_file()
+    return "auto" if has else "random"
+
+
 def _resolve(model, weights: str) -> tuple[ModelConfig, Path | None]:
     """The config and where it came from: a folder, a ``.gguf`` file, or None for a bare ModelConfig."""
     if isinstance(model, ModelConfig):

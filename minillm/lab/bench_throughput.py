@@ -8,8 +8,9 @@ static batches, left-padded to the longest prompt, each batch decoding until its
 is done. Both count only the tokens each request asked for, so the ratio is of useful work per
 second; the cost per computed token sets the engines' arithmetic side by side.
 
-A GGUF model (``smollm2-135m``) runs with its real weights, which transformers gets too, from the
-same file; a preset runs with random weights at its shape (throughput does not depend on them).
+A model that ships weights (``smollm2-135m``, a GGUF file, a folder with safetensors) runs with
+them, and transformers gets the same ones; a preset runs with random weights at its shape
+(throughput does not depend on their values).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 from minillm.engine.config import load_config, resolve_checkpoint
 from minillm.engine.device import resolve_device, synchronize
 from minillm.engine.llm import LLM
-from minillm.engine.loader import TORCH_DTYPES, load_model
+from minillm.engine.loader import TORCH_DTYPES, checkpoint_weights, load_model
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.units import ceil_div
 from minillm.lab import records
@@ -62,7 +63,7 @@ def bench_throughput(model: str = "small", device=None, dtype: torch.dtype | Non
     workload = throughput_workload(vocab_size, num_requests, scale=scale, seed=seed)
     single_length = max(8, round(SINGLE_LENGTH * scale))
     single = make_workload("single", [single_length], [single_length], vocab_size, seed=seed)
-    weights = "auto" if source.suffix == ".gguf" else "random"
+    weights = checkpoint_weights(model)
     net = load_model(model, device=device, dtype=dtype, weights=weights)
     if num_kv_blocks is None and net.device.type == "cpu" and memory_limit is None:
         num_kv_blocks = sum(ceil_div(len(p) + sp.max_tokens, block_size)

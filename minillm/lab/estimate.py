@@ -110,8 +110,58 @@ def attainable_flops(intensity: float, peak_flops: float, bandwidth: float) -> f
 
 
 @dataclass(frozen=True)
+class Floor:
+    """The one lower bound of the book on an operation's time: ``max(F / P, M / W)``.
+
+    ``F`` FLOPs and ``M`` bytes, as the engine does and moves them; ``P`` FLOP/s and ``W`` bytes/s,
+    the device's two ceilings. ``bound`` names the ceiling that binds: ``"compute"`` when the work
+    takes longer to compute than its bytes take to move, else ``"memory"``.
+    """
+
+    flops: float
+    bytes: float
+    peak_flops: float
+    bandwidth: float
+
+    @property
+    def compute_seconds(self) -> float:
+        return self.flops / self.peak_flops
+
+    @property
+    def memory_seconds(self) -> float:
+        return self.bytes / self.bandwidth
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_seconds, self.memory_seconds)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_seconds >= self.memory_seconds else "memory"
+
+    @property
+    def intensity(self) -> float:
+        """FLOP per byte moved; the work is compute-bound when it exceeds the ridge point P / W."""
+        return self.flops / self.bytes
+
+    def share_of(self, measured_seconds: float) -> float:
+        """The floor as a share of a measured time: 1 means the measurement hit the ceiling."""
+        return self.seconds / measured_seconds
+
+
+def roofline_floor(flops: float, nbytes: float, peak_flops: float, bandwidth: float) -> Floor:
+    """``Floor`` of ``flops`` FLOPs moving ``nbytes`` bytes on a device of ``peak_flops`` FLOP/s and
+    ``bandwidth`` bytes/s."""
+    if flops < 0 or nbytes <= 0 or peak_flops <= 0 or bandwidth <= 0:
+        raise ValueError(f"need flops >= 0, bytes, peak_flops and bandwidth > 0; got {flops}, "
+                         f"{nbytes}, {peak_flops}, {bandwidth}")
+    return Floor(flops, nbytes, peak_flops, bandwidth)
+
+
+@dataclass(frozen=True)
 class PrefillEstimate:
-    """One forward over an ``n``-token prompt."""
+    """One forward over ``sequences`` prompts of ``n`` tokens in all, as the engine runs it: every
+    token through every layer, the output layer only for each sequence's last token."""
 
     n: int
     linear_flops: int
@@ -129,17 +179,30 @@ class PrefillEstimate:
 
     @property
     def intensity(self) -> float:
-        """Linear FLOPs per weight byte: about n (the seeds' measure)."""
-        return self.linear_flops / self.weight_bytes
+        """FLOPs per byte moved (weights read, KV written)."""
+        return self.flops / self.bytes
+
+    def floor(self, peak_flops: float, bandwidth: float) -> Floor:
+        return roofline_floor(self.flops, self.bytes, peak_flops, bandwidth)
 
     def time_floor(self, peak_flops: float, bandwidth: float) -> float:
         """Seconds no device with these ceilings can beat: max(F / P, M / W)."""
-        return max(self.flops / peak_flops, self.bytes / bandwidth)
+        return self.floor(peak_flops, bandwidth).seconds
 
 
-def prefill(cfg: ModelConfig, n: int, dtype="bf16") -> PrefillEstimate:
-    """The ledger of prefilling one ``n``-token prompt."""
-    return PrefillEstimate(n, n * matmul_flops_per_token(cfg), prefill_attention_flops(cfg, n),
+def output_layer_flops(cfg: ModelConfig) -> int:
+    """The output projection (hidden -> vocabulary) for one token."""
+    return 2 * cfg.vocab_size * cfg.hidden_size
+
+
+def prefill(cfg: ModelConfig, n: int, dtype="bf16", sequences: int = 1) -> PrefillEstimate:
+    """The ledger of prefilling ``n`` prompt tokens split into ``sequences`` equal prompts (one
+    by default): the layers for all ``n`` tokens, the output layer for ``sequences`` of them."""
+    if not 1 <= sequences <= n:
+        raise ValueError(f"need 1 <= sequences <= n, got sequences={sequences}, n={n}")
+    layers = n * (matmul_flops_per_token(cfg) - output_layer_flops(cfg))
+    attention = sequences * prefill_attention_flops(cfg, n // sequences)
+    return PrefillEstimate(n, layers + sequences * output_layer_flops(cfg), attention,
                            weight_bytes(cfg, dtype), kv_bytes(cfg, n, dtype))
 
 
@@ -147,8 +210,7 @@ def prefill_crossover(cfg: ModelConfig, peak_flops: float, bandwidth: float, dty
     """The shortest prompt whose prefill takes longer to compute than to read (F/P >= M/W):
     below it prefill is bandwidth-bound, from it on compute-bound (chapter 预填充)."""
     def compute_bound(n):
-        est = prefill(cfg, n, dtype)
-        return est.flops / peak_flops >= est.bytes / bandwidth
+        return prefill(cfg, n, dtype).floor(peak_flops, bandwidth).bound == "compute"
 
     high = 1
     while not compute_bound(high):
@@ -188,6 +250,10 @@ class DecodeEstimate:
     def kv_intensity(self) -> float:
         """Attention FLOPs per KV byte read: n_h / n_kv in 2-byte KV, whatever the batch."""
         return self.attention_flops / self.kv_read_bytes
+
+    def floor(self, peak_flops: float, bandwidth: float | None = None) -> Floor:
+        """``max(F / P, M / W)`` of the step (``bandwidth`` defaults to the estimate's own)."""
+        return roofline_floor(self.flops, self.bytes, peak_flops, bandwidth or self.bandwidth)
 
     @property
     def time_floor(self) -> float:

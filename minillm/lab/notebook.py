@@ -3,10 +3,16 @@
 ``lab = setup()`` applies the book's policy and returns what a lab needs:
 
 * **device**: ``$MINILLM_DEVICE`` if set, else CUDA when present, else the CPU;
-* **model**: ``$MINILLM_MODEL`` (a preset, a folder with ``config.json``, or a hub id) if set; else
-  the Llama-3.1-8B shape with random weights on a GPU, and on the CPU the lab's small preset
-  (``tiny`` unless the lab asks for another: the prefill and decode labs need ``small`` to show
-  bandwidth and compute effects);
+* **model**: ``$MINILLM_MODEL`` (a preset, a ``.gguf`` file, a folder with ``config.json``, or a hub
+  id) if set. Else, on a GPU, the Llama-3.1-8B shape with random weights: timing and memory do not
+  depend on the values. On the CPU, the lab's own default: the real SmolLM2-135M-Instruct
+  (``smollm2-135m``) in the labs whose point is what a request says and when it ends (its answers
+  end on the model's own end-of-sequence token), a preset at a shape otherwise (``tiny``; ``small``
+  where the prefill and decode labs need compute and bandwidth effects to show);
+* **weights**: a checkpoint's own when it has them (a GGUF, a folder with safetensors), random ones
+  at the preset's shape otherwise;
+* **answers**: ``lab.chat(...)`` always asks the real SmolLM2 (on a GPU beside the 8B-shaped timing
+  model). It is English-only: the labs ask it in English;
 * **dtype**: bf16 on CUDA, fp32 on the CPU;
 * **threads**: one torch thread on the CPU. The labs time small operations on shared 2-core
   machines, where a second thread costs more in hand-offs than it saves, and makes timings jump.
@@ -18,14 +24,14 @@ from __future__ import annotations
 import gc
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from minillm.engine.config import ModelConfig, load_config
 from minillm.engine.device import pick_device
-from minillm.engine.loader import load_model
+from minillm.engine.loader import checkpoint_weights, load_model
 from minillm.engine.model import Transformer
 from minillm.lab.hardware import describe_device, measure_seconds
 from minillm.lab.machine_profile import CPU_THREADS, MachineProfile, machine_profile
@@ -34,11 +40,12 @@ from minillm.lab.report import NOT_RECORDED
 
 GPU_MODEL = "llama-3.1-8b"
 CPU_MODEL = "tiny"
+TEXT_MODEL = "smollm2-135m"  # the real model that answers (English only)
 
 
 @dataclass
 class Lab:
-    """What a lab runs on: the device, the model (loaded with random weights) and its config."""
+    """What a lab runs on: the device, the model (real or random weights) and its config."""
 
     device: torch.device
     model_name: str
@@ -46,6 +53,8 @@ class Lab:
     device_name: str
     config: ModelConfig
     model: Transformer | None  # None when setup(load=False)
+    weights: str = "random"  # "auto" (the checkpoint's) or "random"
+    _text_model: Transformer | None = field(default=None, repr=False)
 
     @property
     def on_gpu(self) -> bool:
@@ -56,17 +65,43 @@ class Lab:
         return str(self.dtype).removeprefix("torch.")
 
     @property
+    def real_weights(self) -> bool:
+        return self.weights == "auto"
+
+    @property
     def profile(self) -> MachineProfile:
         """This build's one profile of the device: every "本机" ceiling comes from it."""
         return machine_profile(self.device)
 
-    def serve(self, **options):
-        """``with lab.serve(...) as server``: ``python -m minillm serve`` of this lab's model in the
-        background, as the lab runs it (random weights, its device, dtype and CPU threads);
-        ``options`` are ``serve_in_background``'s (``num_kv_blocks=512``...)."""
+    @property
+    def text_model(self) -> Transformer:
+        """The real SmolLM2-135M-Instruct on this lab's device (the lab's own model when it is
+        that one), loaded on first use."""
+        if self.model is not None and self.model_name == TEXT_MODEL:
+            return self.model
+        if self._text_model is None:
+            self._text_model = load_model(TEXT_MODEL, device=self.device, dtype=self.dtype)
+        return self._text_model
+
+    def chat(self, question: str, max_tokens: int = 256, **engine_args):
+        """Ask the real model one question (in English) through its chat template, greedy; the
+        ``RequestOutput``, its text and timings included."""
+        from minillm.engine.llm import LLM
+        from minillm.engine.sampling import SamplingParams
+
+        llm = LLM(self.text_model, **{"num_kv_blocks": 256, **engine_args})
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        return llm.chat([{"role": "user", "content": question}], params, use_tqdm=False)[0]
+
+    def serve(self, text: bool = False, **options):
+        """``with lab.serve(...) as server``: ``python -m minillm serve`` of this lab's model (or,
+        ``text=True``, of the real SmolLM2) in the background, as the lab runs it (its weights,
+        device, dtype and CPU threads); ``options`` are ``serve_in_background``'s
+        (``num_kv_blocks=512``...)."""
         from minillm.server.launcher import serve_in_background
 
-        return serve_in_background(self.model_name, weights="random", device=str(self.device),
+        model, weights = (TEXT_MODEL, "auto") if text else (self.model_name, self.weights)
+        return serve_in_background(model, weights=weights, device=str(self.device),
                                    dtype=self.dtype_name,
                                    env={"OMP_NUM_THREADS": str(torch.get_num_threads())}, **options)
 
@@ -76,12 +111,14 @@ class Lab:
         return "GPU" if self.on_gpu else f"{torch.get_num_threads()} 个 CPU 线程"
 
     def __str__(self) -> str:
-        return (f"device: {self.device_name} ({self.device.type}, {self.threads}), model: "
-                f"{self.config.name} ({self.dtype_name})")
+        weights = "真实权重" if self.real_weights else "随机权重"
+        return (f"设备：{self.device_name}（{self.device.type}，{self.threads}）；模型："
+                f"{self.config.name}（{self.dtype_name}，{weights}）")
 
 
 def setup(cpu_model: str = CPU_MODEL, load: bool = True) -> Lab:
-    """Apply the policy above; load the model with random weights unless ``load=False``."""
+    """Apply the policy above; load the model unless ``load=False``. ``cpu_model``: the lab's
+    model on the CPU (``TEXT_MODEL`` where what the model says matters)."""
     from minillm.lab.plotting import use_book_style
 
     use_book_style()
@@ -91,9 +128,10 @@ def setup(cpu_model: str = CPU_MODEL, load: bool = True) -> Lab:
         torch.set_num_threads(CPU_THREADS)
     model_name = os.environ.get("MINILLM_MODEL", "").strip() or (GPU_MODEL if on_gpu else cpu_model)
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    model = load_model(model_name, device=device, dtype=dtype, weights="random") if load else None
+    weights = checkpoint_weights(model_name)
+    model = load_model(model_name, device=device, dtype=dtype, weights=weights) if load else None
     config = model.config if model is not None else load_config(model_name)
-    return Lab(device, model_name, dtype, describe_device(device).name, config, model)
+    return Lab(device, model_name, dtype, describe_device(device).name, config, model, weights)
 
 
 # --- Shared helpers ------------------------------------------------------------------------------
@@ -190,11 +228,10 @@ def against_floor(measured: float, floor: float) -> str:
 
 
 def prefill_flops_done(cfg: ModelConfig, n: int, dtype) -> float:
-    """FLOPs a prefill of ``n`` tokens really does: the ledger's, less the output layer on the
-    ``n - 1`` rows whose logits nobody needs (the ledger counts it for every token)."""
+    """FLOPs a prefill of ``n`` tokens really does (the ledger counts the output layer once)."""
     from minillm.lab.estimate import prefill
 
-    return prefill(cfg, n, dtype).flops - 2 * cfg.vocab_size * cfg.hidden_size * (n - 1)
+    return prefill(cfg, n, dtype).flops
 
 
 def why_prefill_beat_floor(cfg: ModelConfig, n: int, dtype, seconds: float, profile: MachineProfile) -> str:

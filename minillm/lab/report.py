@@ -29,3 +29,22 @@ def comparison_table(rows: list[tuple[str, str, str, str | None]]):
     """The lab's closing table: (quantity, estimate, measured here, recorded on GPU or None)."""
     show_table(COMPARISON_HEADER, [[q, e, m, r if r is not None else NOT_RECORDED]
                                    for q, e, m, r in rows])
+
+
+BOUND_WORDS = {"compute": "算力", "memory": "带宽"}
+
+
+def floor_words(floor) -> str:
+    """A ``minillm.lab.estimate.Floor`` as the book writes it: the time and the ceiling that binds,
+    e.g. ``≥ 2.7 ms（算力：F/P）``."""
+    side = "F/P" if floor.bound == "compute" else "M/W"
+    return f"≥ {floor.seconds * 1e3:,.2f} ms（{BOUND_WORDS[floor.bound]}：{side}）"
+
+
+def show_answer(text: str):
+    """A real model's answer, quoted as English (``lang="en"``) on the book's Chinese pages."""
+    import html
+
+    from IPython.display import HTML, display
+
+    display(HTML(f'<blockquote lang="en">{html.escape(text).replace(chr(10), "<br/>")}</blockquote>'))
