@@ -436,7 +436,19 @@ def test_quotes_render_as_chinese_quotes() -> None:
 
 # Pages not yet rewritten for these checks (issue 19); each leaves the set when it is, and the set
 # must end empty.
-NOT_YET = {_id(s) for s in SOURCES}
+NOT_YET = {
+    "book/intro.md", "book/glossary.md",
+    "book/ch01-life.md", "notebooks/ch01-life.ipynb",
+    "book/ch02-ledger.md", "notebooks/ch02-ledger.ipynb",
+    "book/ch03-prefill.md", "notebooks/ch03-prefill.ipynb",
+    "book/ch04-decode.md", "notebooks/ch04-decode.ipynb",
+    "book/ch05-kvcache.md", "notebooks/ch05-kvcache.ipynb",
+    "book/ch06-memory.md", "notebooks/ch06-memory.ipynb",
+    "book/ch07-paging.md", "notebooks/ch07-paging.ipynb",
+    "book/ch08-scheduling.md", "notebooks/ch08-scheduling.ipynb",
+    "book/ch09-serving.md", "notebooks/ch09-serving.ipynb",
+    "book/ch10-diagnose.md", "notebooks/ch10-diagnose.ipynb",
+}
 ENGLISH_UI = ("Show code cell", "Hide code cell", "Skip to main content", "Back to top",
               "Contents", "Print to PDF", "Fullscreen mode", "Download this page", "Search",
               "previous page", "next page", "By minillm-book")

@@ -18,7 +18,18 @@ LONGEST_LAB, MEAN_LAB = 200, 160
 GLUE_CALL = re.compile(r"(?<![\w.])(g|choose|claim|glue)\(")
 CJK = re.compile(r"[\u4e00-\u9fff]")
 # Labs not yet rewritten into this shape; each leaves the list when it is, and the list must end empty.
-NOT_YET = {p.stem for p in NOTEBOOKS}
+NOT_YET = {
+    "ch01-life",
+    "ch02-ledger",
+    "ch03-prefill",
+    "ch04-decode",
+    "ch05-kvcache",
+    "ch06-memory",
+    "ch07-paging",
+    "ch08-scheduling",
+    "ch09-serving",
+    "ch10-diagnose",
+}
 
 
 def rewritten(path: Path) -> None:

@@ -50,6 +50,7 @@ class Recorder:
             "batch_size": len(output.scheduled),
             "num_prefill_tokens": output.num_prefill_tokens,
             "num_decode_tokens": output.num_decode_tokens,
+            "num_sampled": len(sampled),  # requests that got a token: their last position's logits
             "preempted": [r.request_id for r in output.preempted],
             "num_swapped_blocks": len(output.blocks_to_swap_out) + len(output.blocks_to_swap_in),
             "num_cached_tokens": output.num_cached_tokens,

@@ -308,7 +308,7 @@ def _rates(record: dict, cfg: ModelConfig, durations: list[float]) -> tuple[floa
     recompute."""
     engine, memory = record["engine"], record["memory"]
     kv_per_token = memory["kv_bytes_per_block"] / engine["block_size"]
-    linear_flops = ledger.matmul_flops_per_token(cfg)
+    layer_flops = ledger.matmul_flops_per_token(cfg) - ledger.output_layer_flops(cfg)
     attention_per_position = ledger.attention_flops_per_token(cfg, 1)
     computed: dict[str, int] = {}
     decode_bytes = decode_time = prefill_flops = prefill_time = 0.0
@@ -317,13 +317,13 @@ def _rates(record: dict, cfg: ModelConfig, durations: list[float]) -> tuple[floa
             for request_id in step["preempted"]:
                 computed[request_id] = 0
         step_kv_tokens = 0
-        step_flops = 0
+        step_flops = step["num_sampled"] * ledger.output_layer_flops(cfg)  # logits only where sampled
         for request_id, num_new in step["scheduled"]:
             before = computed.get(request_id, 0)
             computed[request_id] = before + num_new
             step_kv_tokens += before + num_new
             # new token j attends to before + j + 1 positions
-            step_flops += (num_new * linear_flops
+            step_flops += (num_new * layer_flops
                            + attention_per_position * (num_new * before + num_new * (num_new + 1) // 2))
         if step["num_prefill_tokens"]:
             prefill_flops += step_flops
