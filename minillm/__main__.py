@@ -87,7 +87,9 @@ def cmd_generate(args) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed)
         llm = LLM(args.model, device=args.device, dtype=torch_dtype(args.dtype), weights=args.weights,
-                  num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len)
+                  num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
+                  quantization=args.quantization, group_size=args.group_size,
+                  kv_cache_dtype=args.kv_cache_dtype)
         if args.token_ids is not None:
             prompt = args.token_ids
         elif args.raw or not getattr(llm.tokenizer, "chat_template", None):
@@ -120,7 +122,9 @@ def cmd_plan(args) -> int:
         result = plan(args.model, device=args.device, dtype=args.dtype, gpu_memory=args.gpu_memory,
                       gpu_memory_utilization=args.util, block_size=args.block_size,
                       max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                      max_num_seqs=args.max_num_seqs, memory_limit=args.memory_limit)
+                      max_num_seqs=args.max_num_seqs, memory_limit=args.memory_limit,
+                      quantization=args.quantization, group_size=args.group_size,
+                      kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as err:
         raise CLIError(str(err)) from None
     if args.json:
@@ -158,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--dtype", default="bf16", choices=sorted(ledger.DTYPE_BYTES))
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
     est.set_defaults(func=cmd_estimate)
+    from minillm.engine.engine_config import add_quantization_options
     from minillm.engine.loader import TORCH_DTYPES
 
     gen = commands.add_parser(
@@ -183,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--weights", default="auto", choices=["auto", "random"])
     gen.add_argument("--num-kv-blocks", type=int, default=256, help="KV blocks of 16 tokens (default 256)")
     gen.add_argument("--max-model-len", type=int, help="longest request (default: what the pool holds)")
+    add_quantization_options(gen)
     gen.set_defaults(func=cmd_generate)
     pln = commands.add_parser("plan", help="where a card's memory goes: weights, activations, KV blocks")
     pln.add_argument("--model", required=True, help="preset name or directory with config.json")
@@ -199,11 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--max-num-seqs", type=int, default=256)
     pln.add_argument("--dtype", choices=sorted(TORCH_DTYPES), help="default: the model's")
     pln.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_quantization_options(pln)
     pln.set_defaults(func=cmd_plan)
-    from minillm.lab import bench, bench_host, bench_plan, bench_serve, bench_throughput, diagnose, loadgen
+    from minillm.lab import (bench, bench_host, bench_plan, bench_quality, bench_serve, bench_throughput,
+                             diagnose, loadgen)
 
     bench_commands = bench.add_cli(commands)
     bench_host.add_cli(bench_commands)
+    bench_quality.add_cli(bench_commands)
     bench_throughput.add_cli(bench_commands)
     bench_plan.add_cli(bench_commands)
     bench_serve.add_cli(bench_commands)

@@ -87,7 +87,8 @@ def test_cli_writes_a_record_the_book_can_read(tmp_path, capsys):
     assert "record written" in capsys.readouterr().out
     [record] = records.find("decode", device="cpu", directory=tmp_path, model="tiny")
     assert record.params == {"model": "tiny", "device": "cpu", "dtype": None, "batches": [1, 2],
-                             "contexts": [8], "steps": 2}
+                             "contexts": [8], "steps": 2, "quantization": None, "group_size": 32,
+                             "kv_cache_dtype": "auto"}
     probe = record.results["probe"]
     assert probe["copy_bandwidth"] > 0 and probe["matmul_flops"] > 0
     assert probe["ridge_point"] == pytest.approx(probe["matmul_flops"] / probe["copy_bandwidth"])
@@ -107,10 +108,10 @@ def test_cli_error_is_one_line(tmp_path, capsys):
 def test_out_of_memory_point_is_recorded_not_fatal(fixed_probe, monkeypatch):
     timed = bench.time_decode_step
 
-    def time_or_oom(model, batch, ctx, steps):
+    def time_or_oom(model, batch, ctx, steps, kv_dtype=None):
         if batch == 3:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-        return timed(model, batch, ctx, steps)
+        return timed(model, batch, ctx, steps, kv_dtype)
 
     monkeypatch.setattr(bench, "time_decode_step", time_or_oom)
     results = bench.bench_decode("tiny", "cpu", batches=[1, 3], contexts=[8], steps=1)

@@ -13,7 +13,7 @@ import time
 import torch
 
 from minillm.engine.engine_config import EngineConfig
-from minillm.engine.kv_cache import kv_bytes_per_token
+from minillm.engine.kv_cache import kv_bytes_per_token, kv_storage_dtype
 from minillm.engine.loader import load_model
 from minillm.engine.model import Transformer
 from minillm.engine.model_runner import ModelRunner
@@ -40,7 +40,7 @@ class LLMEngine:
 
     def __init__(self, model, device=None, dtype=None, weights: str = "auto", **engine_args):
         config = EngineConfig(**engine_args)
-        self.model = _load(model, device, dtype, weights)
+        self.model = _load(model, device, dtype, weights, config)
         self.tokenizer = getattr(self.model, "tokenizer", None)
         self.memory_plan = None
         if config.num_kv_blocks is None:
@@ -50,7 +50,8 @@ class LLMEngine:
         self.config = _resolve(config, self.model)
         model_config = self.model.config
         self.kv_cache = PagedKVCache(
-            model_config, self.config.num_kv_blocks, self.config.block_size, self.model.dtype,
+            model_config, self.config.num_kv_blocks, self.config.block_size,
+            kv_storage_dtype(self.config.kv_cache_dtype, self.model.dtype),
             self.model.device, enable_prefix_caching=self.config.enable_prefix_caching,
             prefix_index=self.config.prefix_index, max_model_len=self.config.max_model_len,
             num_cpu_blocks=self.config.num_cpu_blocks)
@@ -201,18 +202,25 @@ def _resolve(config: EngineConfig, model: Transformer) -> EngineConfig:
                          f"{config.num_kv_blocks} blocks x {config.block_size} tokens), got {max_model_len}")
     num_cpu_blocks = 0
     if config.preemption_mode == "swap":  # default: the whole GPU pool, at most SWAP_SPACE_BYTES
-        bytes_per_block = config.block_size * kv_bytes_per_token(model_config, model.dtype)
+        bytes_per_block = config.block_size * kv_bytes_per_token(
+            model_config, kv_storage_dtype(config.kv_cache_dtype, model.dtype))
         num_cpu_blocks = (min(config.num_kv_blocks, SWAP_SPACE_BYTES // bytes_per_block)
                           if config.num_cpu_blocks is None else config.num_cpu_blocks)
     return config.replace(max_model_len=max_model_len, num_cpu_blocks=num_cpu_blocks)
 
 
-def _load(model, device, dtype, weights) -> Transformer:
-    """An already built Transformer as is, or load one (path, preset or hub id)."""
+def _load(model, device, dtype, weights, config: EngineConfig) -> Transformer:
+    """An already built Transformer as is, or load one (path, preset or hub id), quantized as the
+    settings say."""
     if isinstance(model, Transformer):
         if device is not None and torch.device(device).type != model.device.type:
             raise ValueError(f"device={device} but the given model is on {model.device}")
         if dtype is not None and dtype != model.dtype:
             raise ValueError(f"dtype={dtype} but the given model is {model.dtype}")
+        if config.quantization is not None and model.quantization != (config.quantization, config.group_size):
+            raise ValueError(f"quantization={config.quantization!r} asked for, but the given model is "
+                             f"{'not quantized' if model.quantization is None else model.quantization}: "
+                             f"load it with load_model(..., quantization=...)")
         return model
-    return load_model(model, device=device, dtype=dtype, weights=weights)
+    return load_model(model, device=device, dtype=dtype, weights=weights,
+                      quantization=config.quantization, group_size=config.group_size)

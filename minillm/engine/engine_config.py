@@ -15,6 +15,9 @@ from minillm.engine.units import parse_size
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULINGS = ("continuous", "static")
 PREFIX_INDEXES = ("hash", "radix")
+QUANTIZATIONS = (None, "int8", "int4")  # weight-only (minillm.engine.quantization)
+GROUP_SIZES = (32, 128)  # int4's groups along the input dimension
+KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the model's dtype; "fp8": e4m3, one byte per element
 
 
 def check_positive_int(name: str, value) -> None:
@@ -46,6 +49,9 @@ class EngineConfig:
     scheduling: str = "continuous"  # or "static", the baseline of chapter 调度
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batches to capture; None: 1, 2, 4, 8, 16... on CUDA
+    quantization: str | None = None  # "int8" or "int4": weight-only, applied when the model is loaded
+    group_size: int = 32  # int4's group along the input dimension (32 or 128)
+    kv_cache_dtype: str = "auto"  # "fp8": the paged cache holds e4m3 keys and values (vLLM's name)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -76,6 +82,9 @@ class EngineConfig:
         check_choice("prefix_index", self.prefix_index, PREFIX_INDEXES)
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         check_choice("scheduling", self.scheduling, SCHEDULINGS)
+        check_choice("quantization", self.quantization, QUANTIZATIONS)
+        check_choice("group_size", self.group_size, GROUP_SIZES)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
 
     def replace(self, **changes) -> "EngineConfig":
         """A copy with some settings changed (validated again)."""
@@ -87,3 +96,14 @@ class EngineConfig:
         if self.num_kv_blocks is None:
             raise ValueError("num_kv_blocks is not set yet: the planner decides it")
         return self.num_kv_blocks * self.block_size
+
+
+def add_quantization_options(command) -> None:
+    """``--quantization``, ``--group-size`` and ``--kv-cache-dtype`` (vLLM's names) on an argparse
+    command: every command that loads a model takes them."""
+    command.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q],
+                         help="weight-only quantization of the linears (default: none)")
+    command.add_argument("--group-size", type=int, default=32, choices=GROUP_SIZES,
+                         help="int4 groups along the input dimension (default 32)")
+    command.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                         help="fp8: keys and values in e4m3, one byte each (default: the model's dtype)")

@@ -21,6 +21,15 @@ from minillm.engine.config import ModelConfig
 from minillm.engine.engine_config import check_positive_int
 
 
+FP8 = torch.float8_e4m3fn  # kv_cache_dtype="fp8": vLLM's default fp8 format for the KV cache
+
+
+def kv_storage_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the cache stores keys and values in: the model's for ``"auto"``, e4m3 for
+    ``"fp8"`` (one byte each; the attention reads them back in the model's dtype)."""
+    return FP8 if setting == "fp8" else model_dtype
+
+
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """K and V of one token in every layer: 2 * L * n_kv * d * element size."""
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize

@@ -26,6 +26,7 @@ from minillm.engine.config import ModelConfig, load_config, preset_names, resolv
 from minillm.engine.device import pick_device
 from minillm.engine.gguf_file import GGUFFile, checked_tensors, gguf_tokenizer, read_weights
 from minillm.engine.model import RMSNorm, Transformer
+from minillm.engine.quantization import check_quantization, check_shapes, quantize_model
 
 WEIGHT_CHOICES = ("auto", "random")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -36,21 +37,27 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def load_model(model: str | Path | ModelConfig, device: torch.device | str | None = None,
-               dtype: torch.dtype | None = None, weights: str = "auto") -> Transformer:
-    """A ready ``Transformer`` (eval mode, no gradients) with ``.config`` and ``.tokenizer``.
+               dtype: torch.dtype | None = None, weights: str = "auto", quantization: str | None = None,
+               group_size: int = 32) -> Transformer:
+    """A ready ``Transformer`` (eval mode, no gradients) with ``.config``, ``.tokenizer`` and
+    ``.quantization``.
 
     device: default ``minillm.engine.device.pick_device()``. dtype: default the checkpoint's
     ``torch_dtype`` on CUDA, float32 on the CPU. weights: ``"auto"`` loads the checkpoint and fails
     when there is none; ``"random"`` builds the same shape with random values (seeded, so repeatable).
+    quantization: ``"int8"`` or ``"int4"`` (groups of ``group_size``) quantizes the linears once
+    they are loaded (``minillm.engine.quantization``); the full-precision copies are freed.
     """
     if weights not in WEIGHT_CHOICES:
         raise ValueError(f"weights must be one of {WEIGHT_CHOICES}, got {weights!r}")
+    check_quantization(quantization, group_size)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     device = torch.device(device) if device is not None else pick_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} asked for, but CUDA is not available here")
     config, source = _resolve(model, weights)
+    check_shapes(config, quantization, group_size)
     checkpoint = _open_checkpoint(source, config) if weights == "auto" else None
     dtype = dtype if dtype is not None else _default_dtype(config, device)
 
@@ -66,6 +73,10 @@ def load_model(model: str | Path | ModelConfig, device: torch.device | str | Non
                 params[name].copy_(tensor)
         else:
             _init_random(net, device)
+    if quantization is not None:
+        quantize_model(net, quantization, group_size)
+        _own_storage(net)
+    net.quantization = None if quantization is None else (quantization, group_size)
     net.tokenizer = _load_tokenizer(source)
     return net
 
@@ -234,6 +245,14 @@ def _allocate_weights(net: Transformer, device: torch.device, dtype: torch.dtype
         weights = buffer[start:start + p.numel()].view(p.shape)
         net.get_submodule(module_name).register_parameter(attr, nn.Parameter(weights, requires_grad=False))
     net.tie_weights()
+
+
+def _own_storage(net: Transformer) -> None:
+    """Give each parameter left after quantization (embedding, norms, biases) its own memory, so
+    that the one buffer the full-precision weights shared is freed."""
+    for module in net.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(param.detach().clone(), requires_grad=False))
 
 
 def _ask_for_huge_pages(buffer: torch.Tensor) -> None:

@@ -45,6 +45,8 @@ class MemoryPlan:
     max_position_embeddings: int
     max_num_batched_tokens: int  # the step whose activations were counted (0 in the ledger)
     source: str  # one of SOURCES
+    quantization: str = "none"  # the linears' weight format: "none", "int8", "int4 (groups of 32)"
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8"
 
     @classmethod
     def cut(cls, *, total_bytes: int, utilization: float, weight_bytes: int,
@@ -173,6 +175,7 @@ class MemoryPlan:
             return f"{fmt_int(n)} B ({fmt_bytes(n)})"
 
         rows = [("model", self.model), ("device", self.device), ("dtype", self.dtype),
+                ("weight format", self.quantization), ("KV cache dtype", self.kv_cache_dtype),
                 ("source", self.source),
                 ("total", size(self.total_bytes)),
                 (f"budget (x {self.utilization})", size(self.budget_bytes)),

@@ -168,6 +168,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tokenizer = None  # set by the loader when the checkpoint ships one
+        self.quantization = None  # (method, group_size) when the loader quantized the linears
         self.model = DecoderStack(config)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -180,11 +181,12 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The dtype of the activations (and of every weight that is not quantized)."""
+        return self.model.embed_tokens.weight.dtype
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,

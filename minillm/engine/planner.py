@@ -31,11 +31,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from minillm.engine.config import ModelConfig, load_config
 from minillm.engine.device import resolve_device
 from minillm.engine.engine_config import EngineConfig
-from minillm.engine.kv_cache import kv_bytes_per_token
+from minillm.engine.kv_cache import kv_bytes_per_token, kv_storage_dtype
 from minillm.engine.loader import load_model, torch_dtype
 from minillm.engine.memory_plan import MemoryPlan
 from minillm.engine.model import Transformer
 from minillm.engine.paged_cache import PagedKVCache
+from minillm.engine.quantization import check_shapes, quantize_model
 from minillm.engine.sampling import SamplingParams, sample
 from minillm.engine.units import GiB, ceil_div, fmt_bytes, parse_size
 
@@ -218,33 +219,38 @@ def plan(model, device=None, dtype=None, gpu_memory=None, engine_config: EngineC
     num_tokens = config.max_num_batched_tokens
     num_seqs = min(config.max_num_seqs, num_tokens)
     if gpu_memory is not None:
-        measured = _dry_run(cfg, dtype, gpu_memory, num_tokens, num_seqs)
+        measured = _dry_run(cfg, dtype, gpu_memory, num_tokens, num_seqs, config)
     else:
-        measured = _profile(model, device, dtype, config.memory_limit, num_tokens, num_seqs,
-                            config.block_size)
+        measured = _profile(model, device, dtype, config, num_tokens, num_seqs)
+    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, measured.pop("torch_dtype"))
     result = MemoryPlan.cut(utilization=config.gpu_memory_utilization, block_size=config.block_size,
-                            bytes_per_block=config.block_size * kv_bytes_per_token(cfg, measured.pop("torch_dtype")),
+                            bytes_per_block=config.block_size * kv_bytes_per_token(cfg, kv_dtype),
                             max_model_len=None if config.max_model_len == -1 else config.max_model_len,
                             max_position_embeddings=cfg.max_position_embeddings, model=cfg.name,
-                            max_num_batched_tokens=num_tokens, **measured)
+                            max_num_batched_tokens=num_tokens, quantization=weight_format(config),
+                            kv_cache_dtype=config.kv_cache_dtype, **measured)
     return result.checked(config.max_model_len)
 
 
-def _dry_run(cfg: ModelConfig, dtype, card_bytes: int, num_tokens: int, num_seqs: int) -> dict:
-    """Weights from a model built on the meta device, the activation peak from the formula and the
-    memory outside PyTorch from ``DRY_RUN_OUTSIDE_TORCH_BYTES``."""
+def _dry_run(cfg: ModelConfig, dtype, card_bytes: int, num_tokens: int, num_seqs: int,
+             config: EngineConfig) -> dict:
+    """Weights from a model built (and quantized, if asked) on the meta device, the activation
+    peak from the formula and the memory outside PyTorch from ``DRY_RUN_OUTSIDE_TORCH_BYTES``."""
     dtype = dtype or torch_dtype(cfg.torch_dtype)
+    check_shapes(cfg, config.quantization, config.group_size)
     with torch.device("meta"):
         model = Transformer(cfg).to(dtype)
+        if config.quantization is not None:
+            quantize_model(model, config.quantization, config.group_size)
     return dict(device=f"{fmt_bytes(card_bytes)} card (dry run)", dtype=_dtype_name(dtype), torch_dtype=dtype,
                 total_bytes=card_bytes, weight_bytes=model_bytes(model),
                 activation_peak_bytes=activation_estimate(cfg, num_tokens, num_seqs, dtype),
                 other_bytes=DRY_RUN_OUTSIDE_TORCH_BYTES, source="estimated")
 
 
-def _profile(model, device, dtype, memory_limit: int | None, num_tokens: int, num_seqs: int,
-             block_size: int) -> dict:
+def _profile(model, device, dtype, config: EngineConfig, num_tokens: int, num_seqs: int) -> dict:
     """Load (random weights: same bytes as real ones) and measure on the device."""
+    memory_limit = config.memory_limit
     if isinstance(model, Transformer):
         model_device = model.device
         if device is not None and torch.device(device).type != model_device.type:
@@ -260,9 +266,10 @@ def _profile(model, device, dtype, memory_limit: int | None, num_tokens: int, nu
     if isinstance(model, Transformer) and dtype not in (None, model.dtype):
         raise ValueError(f"dtype {dtype} differs from the loaded model's {model.dtype}")
     if not isinstance(model, Transformer):
-        model = load_model(model, device=device, dtype=dtype, weights="random")
+        model = load_model(model, device=device, dtype=dtype, weights="random",
+                           quantization=config.quantization, group_size=config.group_size)
     weights = model_bytes(model)
-    activations = profile_activation_peak(model, num_tokens, num_seqs, block_size)
+    activations = profile_activation_peak(model, num_tokens, num_seqs, config.block_size)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     other = 0  # the CPU: no runtime outside PyTorch on an emulated card
     total = memory_limit
@@ -276,6 +283,13 @@ def _profile(model, device, dtype, memory_limit: int | None, num_tokens: int, nu
     return dict(device=name, dtype=_dtype_name(model.dtype), torch_dtype=model.dtype, total_bytes=total,
                 weight_bytes=weights, activation_peak_bytes=activations, other_bytes=other,
                 source="profiled")
+
+
+def weight_format(config: EngineConfig) -> str:
+    """The linears' weight format in words: "none", "int8" or "int4 (groups of 32)"."""
+    if config.quantization == "int4":
+        return f"int4 (groups of {config.group_size})"
+    return config.quantization or "none"
 
 
 def clamp_to_device(memory_limit: int, device_bytes: int, device_name: str) -> int:

@@ -17,10 +17,13 @@ import torch
 from minillm.engine.config import load_config
 from minillm.engine.contiguous_cache import ContiguousKVCache
 from minillm.engine.device import resolve_device
+from minillm.engine.engine_config import add_quantization_options
 from minillm.engine.kernels import default_backend, paged_decode_attention, store_kv
+from minillm.engine.kv_cache import kv_storage_dtype
 from minillm.engine.loader import TORCH_DTYPES, load_model, torch_dtype
 from minillm.engine.model import Transformer
 from minillm.engine.paged_cache import PagedKVCache
+from minillm.engine.quantization import check_quantization, check_shapes
 from minillm.engine.units import ceil_div
 from minillm.lab import estimate as ledger
 from minillm.lab import records
@@ -90,14 +93,16 @@ def time_prefill(model: Transformer, n: int, repeats: int) -> list[float]:
     return measure_seconds(step, model.device, repeats, warmup=WARMUP)
 
 
-def time_decode_step(model: Transformer, batch: int, ctx: int, steps: int) -> list[float]:
-    """Seconds of one decode step of ``batch`` requests, each attending to ``ctx`` tokens.
+def time_decode_step(model: Transformer, batch: int, ctx: int, steps: int,
+                     kv_dtype: torch.dtype | None = None) -> list[float]:
+    """Seconds of one decode step of ``batch`` requests, each attending to ``ctx`` tokens (their
+    KV in ``kv_dtype``, default the model's).
 
     Every timed step is the same step: each request holds ``ctx - 1`` cached tokens and adds one
     at position ``ctx - 1`` (rewriting the same slot), so all samples measure context ``ctx``. The
     cached values are zeros: what is read, not its value, sets the time.
     """
-    cache = ContiguousKVCache(model.config, batch, ctx, model.dtype, model.device)
+    cache = ContiguousKVCache(model.config, batch, ctx, kv_dtype or model.dtype, model.device)
     for request in range(batch):
         cache.allocate(request, ctx)
     positions, attn = cache.prepare_step([(request, ctx - 1, 1) for request in range(batch)])
@@ -139,33 +144,55 @@ def bench_prefill(model_name: str, device=None, dtype=None, lengths=(128, 512, 2
 
 
 def bench_decode(model_name: str, device=None, dtype=None, batches=(1, 8, 32),
-                 contexts=(512, 2048), steps: int = 10) -> dict:
+                 contexts=(512, 2048), steps: int = 10, quantization: str | None = None,
+                 group_size: int = 32, kv_cache_dtype: str = "auto") -> dict:
     """Decode step time for every batch size and context, beside the ledger's bytes and floor.
 
     Achieved bandwidth = ledger bytes of the step (all weights + the batch's KV) / median time;
-    its fraction of the probed copy bandwidth is the MBU the decode chapter reports.
+    its fraction of the probed copy bandwidth is the MBU the decode chapter reports. With
+    ``quantization`` or ``kv_cache_dtype="fp8"``, every point is timed on the unquantized model
+    and on the quantized one in turns (``variant`` "baseline" and "quantized"), and the quantized
+    point carries ``speedup`` = baseline median / its median.
     """
     cfg = load_config(model_name)
     batches = _check_sizes("batches", batches)
     contexts = _check_sizes("contexts", contexts, cfg.max_position_embeddings)
     _check_count("steps", steps)
+    check_quantization(quantization, group_size)
+    check_shapes(cfg, quantization, group_size)
     model, results = _setup(model_name, device, dtype)
-    bandwidth, points = results["probe"]["copy_bandwidth"], []
+    variants = {"baseline": (model, None, None)}
+    if quantization is not None or kv_cache_dtype != "auto":
+        quantized = model if quantization is None else load_model(
+            model_name, device=model.device, dtype=model.dtype, weights="random",
+            quantization=quantization, group_size=group_size)
+        variants["quantized"] = (quantized, quantization, kv_cache_dtype)
+    results["quantization"] = {"quantization": quantization, "group_size": group_size,
+                               "kv_cache_dtype": kv_cache_dtype} if len(variants) > 1 else None
+    bandwidth, dtype_name, points = results["probe"]["copy_bandwidth"], results["model"]["dtype"], []
     for ctx in contexts:
         for batch in batches:
-            est = ledger.decode_step(model.config, batch, ctx, bandwidth, results["model"]["dtype"])
-            point = {"batch": batch, "ctx": ctx, "estimate": {
-                "bytes": est.bytes, "weight_bytes": est.weight_bytes,
-                "kv_read_bytes": est.kv_read_bytes, "flops": est.flops,
-                "time_floor_s": est.time_floor, "tokens_per_s": est.tokens_per_s}}
-            seconds = _measure(point, lambda: time_decode_step(model, batch, ctx, steps),
-                               model.device)
-            if seconds is not None:
-                median = statistics.median(seconds)
-                point.update(seconds=seconds, median_s=median, tokens_per_s=batch / median,
-                             achieved_bandwidth=est.bytes / median,
-                             fraction_of_probed_bandwidth=est.bytes / median / bandwidth)
-            points.append(point)
+            baseline_median = None
+            for variant, (net, method, kv) in variants.items():
+                kv_dtype = kv_storage_dtype(kv or "auto", net.dtype)
+                est = ledger.decode_step(net.config, batch, ctx, bandwidth, dtype_name, method, group_size,
+                                         str(kv_dtype).removeprefix("torch."))
+                point = {"variant": variant, "batch": batch, "ctx": ctx, "estimate": {
+                    "bytes": est.bytes, "weight_bytes": est.weight_bytes,
+                    "kv_read_bytes": est.kv_read_bytes, "flops": est.flops,
+                    "time_floor_s": est.time_floor, "tokens_per_s": est.tokens_per_s}}
+                seconds = _measure(point, lambda: time_decode_step(net, batch, ctx, steps, kv_dtype),
+                                   net.device)
+                if seconds is not None:
+                    median = statistics.median(seconds)
+                    point.update(seconds=seconds, median_s=median, tokens_per_s=batch / median,
+                                 achieved_bandwidth=est.bytes / median,
+                                 fraction_of_probed_bandwidth=est.bytes / median / bandwidth)
+                    if variant == "baseline":
+                        baseline_median = median
+                    elif baseline_median is not None:
+                        point["speedup"] = baseline_median / median
+                points.append(point)
     return {**results, "points": points}
 
 
@@ -194,17 +221,26 @@ def format_prefill(results: dict) -> str:
 
 
 def format_decode(results: dict) -> str:
-    """The decode sweep as a readable table."""
-    lines = _header(results) + [f"{'batch':>6} {'ctx':>7} {'ms/step':>8} {'floor ms':>9} "
-                                f"{'tok/s':>9} {'GB/s':>8} {'of probe':>8}"]
+    """The decode sweep as a readable table (with a quantized variant: one row each, and the
+    quantized row's speedup over the baseline measured beside it)."""
+    q = results.get("quantization")
+    lines = _header(results)
+    if q:
+        weights = q["quantization"] or "unquantized"
+        if q["quantization"] == "int4":
+            weights += f" (groups of {q['group_size']})"
+        lines.append(f"quantized: weights {weights}, KV cache {q['kv_cache_dtype']}; both timed in turns")
+    lines.append(f"{'variant':>9} {'batch':>6} {'ctx':>7} {'ms/step':>8} {'floor ms':>9} "
+                 f"{'tok/s':>9} {'GB/s':>8} {'of probe':>8} {'speedup':>8}")
     for p in results["points"]:
         if "error" in p:
-            lines.append(f"{p['batch']:>6,} {p['ctx']:>7,} {p['error']}")
+            lines.append(f"{p['variant']:>9} {p['batch']:>6,} {p['ctx']:>7,} {p['error']}")
             continue
-        lines.append(f"{p['batch']:>6,} {p['ctx']:>7,} {p['median_s'] * 1e3:>8.2f} "
+        speedup = f"{p['speedup']:>7.2f}x" if "speedup" in p else f"{'':>8}"
+        lines.append(f"{p['variant']:>9} {p['batch']:>6,} {p['ctx']:>7,} {p['median_s'] * 1e3:>8.2f} "
                      f"{p['estimate']['time_floor_s'] * 1e3:>9.2f} {p['tokens_per_s']:>9,.1f} "
                      f"{p['achieved_bandwidth'] / 1e9:>8,.1f} "
-                     f"{p['fraction_of_probed_bandwidth']:>8.0%}")
+                     f"{p['fraction_of_probed_bandwidth']:>8.0%} {speedup}")
     return "\n".join(lines)
 
 
@@ -311,6 +347,7 @@ def add_cli(subparsers) -> argparse._SubParsersAction:
     decode.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     decode.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     decode.add_argument("--steps", type=int, default=10, help="timed steps per point")
+    add_quantization_options(decode)
     decode.set_defaults(func=run_cli)
     paged = commands.add_parser("paged-decode", parents=[common],
                                 help="one layer's paged decode attention against contiguous SDPA")
@@ -338,9 +375,11 @@ def run_cli(args) -> int:
                                          args.block_size, args.repeats)
             print(format_paged_decode(results))
         else:
-            params.update(batches=args.batches, contexts=args.contexts, steps=args.steps)
+            params.update(batches=args.batches, contexts=args.contexts, steps=args.steps,
+                          quantization=args.quantization, group_size=args.group_size,
+                          kv_cache_dtype=args.kv_cache_dtype)
             results = bench_decode(args.model, device, args.dtype, args.batches, args.contexts,
-                                   args.steps)
+                                   args.steps, args.quantization, args.group_size, args.kv_cache_dtype)
             print(format_decode(results))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -14,7 +14,7 @@ from minillm.engine.units import (GB, KiB, GiB, MiB, ceil_div, fmt_bytes,  # noq
                                   fmt_int, parse_size)
 
 DTYPE_BYTES = {"float64": 8, "fp64": 8, "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2,
-               "float16": 2, "fp16": 2, "float8": 1, "fp8": 1, "int8": 1}
+               "float16": 2, "fp16": 2, "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "int8": 1}
 
 
 def dtype_bytes(dtype) -> int:
@@ -56,9 +56,39 @@ def matmul_param_count(cfg: ModelConfig) -> int:
     return cfg.num_layers * per_layer + cfg.vocab_size * h
 
 
-def weight_bytes(cfg: ModelConfig, dtype="bf16") -> int:
-    """Bytes of all weights stored in ``dtype``."""
-    return param_count(cfg) * dtype_bytes(dtype)
+def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of every linear layer the engine runs, the output layer included."""
+    h, inner = cfg.hidden_size, cfg.intermediate_size
+    layer = [(cfg.q_size, h), (cfg.kv_size, h), (cfg.kv_size, h), (h, cfg.q_size),
+             (inner, h), (inner, h), (h, inner)]
+    return layer * cfg.num_layers + [(cfg.vocab_size, h)]
+
+
+def quantized_linear_bytes(out_features: int, in_features: int, quantization: str, group_size: int = 32) -> int:
+    """Bytes of one linear's weights in a quantized format (minillm.engine.quantization): int8,
+    one byte per weight and a float32 scale per row; int4, half a byte per weight and two 2-byte
+    numbers (scale, minimum) per group of ``group_size``."""
+    if quantization == "int8":
+        return out_features * in_features + 4 * out_features
+    if quantization == "int4":
+        return out_features * in_features // 2 + 4 * out_features * in_features // group_size
+    raise ValueError(f"quantization must be 'int8' or 'int4', got {quantization!r}")
+
+
+def weight_bytes(cfg: ModelConfig, dtype="bf16", quantization: str | None = None, group_size: int = 32) -> int:
+    """Bytes of all weights stored in ``dtype``; with ``quantization`` ("int8", "int4"), every
+    linear of the layers in that format, the output layer in int8 (it then no longer shares the
+    embedding's memory) and the rest (embedding table, norms, biases) in ``dtype``."""
+    if quantization is None:
+        return param_count(cfg) * dtype_bytes(dtype)
+    parts = param_breakdown(cfg)
+    rest = parts["embedding"] + parts["norms"] + param_count(cfg) - sum(parts.values())
+    biases = (cfg.q_size + 2 * cfg.kv_size) * cfg.qkv_bias + cfg.hidden_size * cfg.o_bias
+    biases += (2 * cfg.intermediate_size + cfg.hidden_size) * cfg.mlp_bias
+    *layers, (vocab, hidden) = linear_shapes(cfg)
+    linears = sum(quantized_linear_bytes(n, k, quantization, group_size) for n, k in layers)
+    linears += quantized_linear_bytes(vocab, hidden, "int8")
+    return (rest + cfg.num_layers * biases) * dtype_bytes(dtype) + linears
 
 
 # --- FLOPs ------------------------------------------------------------------------------------
@@ -198,11 +228,12 @@ def output_layer_flops(cfg: ModelConfig) -> int:
 def prefill(cfg: ModelConfig, n: int, dtype="bf16", sequences: int = 1) -> PrefillEstimate:
     """The ledger of prefilling ``n`` prompt tokens split into ``sequences`` equal prompts (one
     by default): the layers for all ``n`` tokens, the output layer for ``sequences`` of them."""
-    if not 1 <= sequences <= n:
-        raise ValueError(f"need 1 <= sequences <= n, got sequences={sequences}, n={n}")
+    if n < 0 or sequences < 1 or (n and sequences > n):
+        raise ValueError(f"need n >= 0 and 1 <= sequences <= n, got sequences={sequences}, n={n}")
     layers = n * (matmul_flops_per_token(cfg) - output_layer_flops(cfg))
     attention = sequences * prefill_attention_flops(cfg, n // sequences)
-    return PrefillEstimate(n, layers + sequences * output_layer_flops(cfg), attention,
+    logits = min(sequences, n) * output_layer_flops(cfg)  # no prompt token, no logits
+    return PrefillEstimate(n, layers + logits, attention,
                            weight_bytes(cfg, dtype), kv_bytes(cfg, n, dtype))
 
 
@@ -266,11 +297,14 @@ class DecodeEstimate:
         return self.batch / self.time_floor
 
 
-def decode_step(cfg: ModelConfig, batch: int, ctx: int, bandwidth: float, dtype="bf16") -> DecodeEstimate:
-    """The ledger of one decode step for ``batch`` requests at context ``ctx``, bandwidth W B/s."""
+def decode_step(cfg: ModelConfig, batch: int, ctx: int, bandwidth: float, dtype="bf16",
+                quantization: str | None = None, group_size: int = 32, kv_dtype=None) -> DecodeEstimate:
+    """The ledger of one decode step for ``batch`` requests at context ``ctx``, bandwidth W B/s;
+    weights in ``quantization`` (see :func:`weight_bytes`), KV in ``kv_dtype`` (default ``dtype``)."""
     if batch < 1 or ctx < 1 or bandwidth <= 0:
         raise ValueError(f"need batch >= 1, ctx >= 1, bandwidth > 0; got {batch}, {ctx}, {bandwidth}")
-    return DecodeEstimate(batch, ctx, weight_bytes(cfg, dtype), batch * kv_bytes(cfg, ctx, dtype),
+    return DecodeEstimate(batch, ctx, weight_bytes(cfg, dtype, quantization, group_size),
+                          batch * kv_bytes(cfg, ctx, kv_dtype or dtype),
                           batch * matmul_flops_per_token(cfg),
                           batch * attention_flops_per_token(cfg, ctx), bandwidth)
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from minillm.engine.engine_config import add_quantization_options
+
 ENGINE_OPTIONS = ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
                   "max_num_batched_tokens", "gpu_memory_utilization", "memory_limit",
-                  "enable_chunked_prefill")
+                  "enable_chunked_prefill", "quantization", "group_size", "kv_cache_dtype")
 MAX_QUEUE = 1024  # requests that may wait for their first step
 SHUTDOWN_TIMEOUT_S = 10.0  # on SIGTERM/SIGINT, what in-flight requests get to finish
 
@@ -37,6 +39,7 @@ def add_cli(subparsers) -> None:
     cmd.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                      help="split long prompts over steps (default on); with "
                           "--no-enable-chunked-prefill a prompt must fit --max-num-batched-tokens")
+    add_quantization_options(cmd)
     cmd.add_argument("--served-model-name", help="the name clients ask for (default: MODEL as given)")
     cmd.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     cmd.add_argument("--max-queue", type=int, default=MAX_QUEUE,

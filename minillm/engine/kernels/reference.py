@@ -16,11 +16,14 @@ import torch.nn.functional as F
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     """Write the new tokens' K and V ``[T, n_kv, d]`` into flat cache slots (cast to the cache's
-    dtype); slot -1 is skipped."""
+    dtype; an fp8 cache saturates at ±448); slot -1 is skipped."""
     kept = (slot_mapping >= 0).nonzero().squeeze(1)
     slots = slot_mapping.index_select(0, kept)
-    k_cache.flatten(0, 1).index_copy_(0, slots, k.index_select(0, kept).to(k_cache.dtype))
-    v_cache.flatten(0, 1).index_copy_(0, slots, v.index_select(0, kept).to(v_cache.dtype))
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        values = new.index_select(0, kept).to(cache.dtype)
+        if cache.element_size() == 1:  # fp8: copy the bytes (index_copy_ has no fp8 kernel)
+            cache, values = cache.view(torch.uint8), values.view(torch.uint8)
+        cache.flatten(0, 1).index_copy_(0, slots, values)
 
 
 def _gather_context(cache, block_tables, length: int):
