@@ -150,5 +150,46 @@ def test_host_bench_splits_each_step_into_engine_and_model_time():
     launches = result["launches"]
     assert launches["per_layer"] > 0 and launches["model"] == "llama-3.1-8b"
     assert launches["per_step"] == launches["outside_layers"] + 32 * launches["per_layer"]
+    assert launches["triton_per_step"] == 0  # the CPU runs the torch reference attention
+    assert "aten ops" in result["measures"]["launches"] and "no-op" in result["measures"]["engine_seconds"]
     assert "graphs" not in result  # eager vs CUDA graphs is timed on CUDA only
-    assert "the engine's own Python per step" in bench_host.format_host(result)
+    text = bench_host.format_host(result)
+    assert "the engine's own Python per step" in text and "0 Triton launches per layer" in text
+
+
+def test_launch_counter_counts_aten_ops_and_the_triton_hook():
+    from triton import knobs
+
+    from minillm.lab.bench_host import LaunchCounter
+
+    with LaunchCounter() as counter:
+        (torch.ones(3) + 1).sum()
+        knobs.runtime.launch_enter_hook("metadata")  # as a compiled Triton launch calls it
+    assert (counter.aten_ops, counter.triton_launches) == (3, 1)
+    knobs.runtime.launch_enter_hook("metadata")  # outside: not counted, the hook is gone
+    assert counter.triton_launches == 1 and not knobs.runtime.launch_enter_hook.calls
+
+
+def test_plan_bench_caps_the_allocator_of_an_indexed_cuda_device(monkeypatch):
+    """The plan bench's CUDA branch with only the driver calls stubbed (no GPU here): torch's own
+    ``set_per_process_memory_fraction`` checks its arguments, and since torch 2.11 it refuses a
+    device without an index, which is what ``resolve_device("cuda")`` gives."""
+    from minillm.lab import bench_plan
+
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (130 * ledger.GiB, 140 * ledger.GiB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda.memory, "_lazy_init", lambda: None)
+    monkeypatch.setattr(torch._C, "_cuda_setMemoryFraction",
+                        lambda fraction, index: fractions.append((fraction, index)), raising=False)
+    limit, fields = bench_plan.emulate_card(24 * ledger.GiB, torch.device("cuda"))
+    assert limit == 24 * ledger.GiB and fractions == [(24 / 140, 0)]
+    assert fields == {"device_before": {"free_bytes": 130 * ledger.GiB, "total_bytes": 140 * ledger.GiB},
+                      "memory_fraction": 24 / 140}
+    with pytest.raises(ValueError, match="specified index"):  # the call as it was
+        torch.cuda.set_per_process_memory_fraction(0.5, torch.device("cuda"))
+    with pytest.warns(UserWarning, match="more than NVIDIA H200 reports"):
+        limit, _ = bench_plan.emulate_card(200 * ledger.GiB, torch.device("cuda", 0))
+    assert limit == 140 * ledger.GiB and fractions[-1] == (1.0, 0)
+    assert bench_plan.emulate_card(ledger.GiB, torch.device("cpu")) == (ledger.GiB, {})

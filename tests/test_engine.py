@@ -374,3 +374,31 @@ def test_padded_decode_graphs_give_the_same_tokens():
     assert any(size > batch for size, batch in runs)  # some steps were padded
     assert not LLM(tiny_model(), block_size=4, num_kv_blocks=16).runner.decode_graphs.sizes  # CPU default
     assert graph_sizes(20) == [1, 2, 4, 8, 16, 20] and graph_sizes(1) == [1]
+
+
+def test_a_padded_decode_graph_cuts_long_contexts_as_the_eager_step(monkeypatch):
+    """A decode graph's inputs (the widest block table, padding rows) through the Triton kernels,
+    run here by Triton's interpreter on an H100's SM count: the real rows' hidden states are the
+    eager step's. Cut by the table's width, contexts of ~1k tokens would be one piece, not four,
+    and their attention would round differently (a float32 kernel in a float64 model)."""
+    from minillm.engine import model as model_module
+    from minillm.engine.kernels import triton_attention
+
+    if not triton_attention.INTERPRET:
+        pytest.skip("the Triton kernels run on CPU tensors under TRITON_INTERPRET=1 only")
+    monkeypatch.setattr(model_module, "default_backend", lambda x: "triton")
+    monkeypatch.setattr(triton_attention, "_multiprocessor_count", lambda device: 132)
+    model = load_model(CONFIG.replace(num_layers=1), device="cpu", dtype=torch.float64, weights="random")
+    llm = LLM(model, block_size=16, num_kv_blocks=400, cuda_graph_sizes=(8,))
+    cache, contexts = llm.kv_cache, [1000, 1100, 700, 300, 1]
+    cache.kv.normal_(generator=torch.Generator().manual_seed(0))  # a cached context for everyone
+    for i, ctx in enumerate(contexts):
+        assert cache.allocate(str(i), ctx)
+    batch = [(str(i), ctx - 1, 1) for i, ctx in enumerate(contexts)]
+    input_ids, positions, attn = cache.prepare_inputs(batch, [i + 1 for i in range(len(contexts))])
+    assert attn.block_tables.shape[1] == 69  # the eager step's table: as wide as its longest context
+    with torch.inference_mode():
+        eager = model(input_ids, positions, attn, cache.layer_caches)
+        graph = llm.runner.decode_graphs.run(input_ids, positions, attn)
+    assert llm.runner.decode_graphs.graphs[8].attn.block_tables.shape == (8, 400)  # the whole pool
+    torch.testing.assert_close(graph, eager, rtol=0, atol=1e-12)

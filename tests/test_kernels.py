@@ -10,6 +10,7 @@ if not triton_attention.INTERPRET and not torch.cuda.is_available():
                 allow_module_level=True)
 DEVICE = "cpu" if triton_attention.INTERPRET else "cuda"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+SHORT_PIECES = dict(min_split_tokens=triton_attention.DECODE_BLOCK_N)  # split short test contexts
 
 
 def finite(cache):
@@ -61,7 +62,7 @@ def test_decode_matches_reference(block_size, head_dim, num_kv_heads, group, dty
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim).to(dtype).to(DEVICE)
     scale = head_dim ** -0.5
     out = triton_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale,
-                                                  num_splits=num_splits)
+                                                  num_splits=num_splits, **SHORT_PIECES)
     expected = reference.paged_decode_attention(q, finite(k_cache), finite(v_cache), block_tables, lens, scale)
     assert out.dtype == q.dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -74,7 +75,7 @@ def test_decode_splits_agree_with_one_pass():
                                                   num_splits=1)
     # 5 pieces of 64 tokens: the short sequence leaves four of them empty
     split = triton_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125,
-                                                    num_splits=5)
+                                                    num_splits=5, **SHORT_PIECES)
     torch.testing.assert_close(split, one, atol=1e-5, rtol=1e-5)
     assert not split.isnan().any()
 
@@ -84,9 +85,30 @@ def test_decode_splits_into_at_most_max_splits():
     k_cache, v_cache, block_tables, lens = paged_context([4200], 64, 1, 64, torch.float32)
     q = torch.randn(1, 2, 64, device=DEVICE)
     out = triton_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125,
-                                                  num_splits=2 * triton_attention.MAX_SPLITS)
+                                                  num_splits=2 * triton_attention.MAX_SPLITS,
+                                                  **SHORT_PIECES)
     expected = reference.paged_decode_attention(q, finite(k_cache), finite(v_cache), block_tables, lens, 0.125)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_pieces_follow_the_context_not_the_table_width(monkeypatch):
+    """A decode graph passes its full-width table: each context must be cut as in the eager step
+    (4 pieces of 256 for ~1k tokens), not into pieces of the table's width over the split count."""
+    monkeypatch.setattr(triton_attention, "_multiprocessor_count", lambda device: 32)
+    seq_lens = [1000, 990, 700, 300, 1, 64, 257, 1024]
+    k_cache, v_cache, tight, lens = paged_context(seq_lens, 16, 2, 64, torch.float32, seed=3)
+    wide = torch.zeros(len(seq_lens), 512, dtype=torch.int32, device=DEVICE)  # 8,192 tokens
+    wide[:, :tight.shape[1]] = tight
+    assert triton_attention.decode_num_splits(8, 2, 64 * 16, 32) == 4  # eager: 4 pieces of 256
+    q = torch.randn(len(seq_lens), 8, 64, device=DEVICE)
+    eager = triton_attention.paged_decode_attention(q, k_cache, v_cache, tight, lens, 0.125)
+    graph = triton_attention.paged_decode_attention(q, k_cache, v_cache, wide, lens, 0.125)
+    assert torch.equal(graph, eager)
+    expected = reference.paged_decode_attention(q, finite(k_cache), finite(v_cache), tight, lens, 0.125)
+    torch.testing.assert_close(eager, expected, atol=1e-5, rtol=1e-5)
+    one_piece = triton_attention.paged_decode_attention(q, k_cache, v_cache, tight, lens, 0.125,
+                                                        num_splits=1)
+    assert not torch.equal(one_piece, eager)  # the pieces change the rounding: equality means something
 
 
 # block_size, head_dim, num_kv_heads, group, cache dtype, new tokens per seq, cached prefix per seq
@@ -138,7 +160,7 @@ def test_random_shapes_match_reference(seed):
     num_heads, scale, tol = num_kv_heads * group, head_dim ** -0.5, TOLERANCE[dtype]
     q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     out = triton_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale,
-                                                  num_splits=pick([None, 2, 3]))
+                                                  num_splits=pick([None, 2, 3]), **SHORT_PIECES)
     expected = reference.paged_decode_attention(q, finite(k_cache), finite(v_cache), block_tables, lens, scale)
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 

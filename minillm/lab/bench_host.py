@@ -4,9 +4,11 @@
 The requests are set up by a real (small) model; then the model's forward is swapped for a stand-in
 that returns its output at once, as a GPU does when the host only enqueues work, so each step's
 wall time is the engine's own Python time (scheduling, building the step's inputs, moving requests
-along, recording) plus the logits and the sampler, which are timed and taken off. It also counts
-the kernel launches of one eager decode forward of a real model's layers (the aten ops it
-dispatches), which a CUDA graph replaces by a single replay.
+along, recording) plus the logits and the sampler, which are timed and taken off: no attention,
+no matmul, no tensor work of the model is in it. It also counts what one eager decode forward of a
+real model's layers launches, which a CUDA graph replaces by a single replay: the aten ops it
+dispatches (on CUDA each launches at most one kernel; views launch none) and, on CUDA, the Triton
+kernels it launches (the attention; on the CPU the torch reference runs instead).
 """
 from __future__ import annotations
 
@@ -26,20 +28,45 @@ from minillm.engine.sampling import SamplingParams
 from minillm.engine.units import ceil_div
 from minillm.lab import records
 
+MEASURES = {  # what the record's numbers are
+    "engine_seconds": "wall time of a decode step whose model forward is a no-op of the same interface "
+                      "(no attention, no matmul), less its logits and sampling: the engine's own Python",
+    "model_seconds": "the logits and the sampler of that step, timed (device waits included)",
+    "launches": "per_layer, outside_layers, per_step: aten ops dispatched by one eager decode forward "
+                "(on CUDA each launches at most one kernel, views none); triton_*: the Triton kernels "
+                "it launches (none on the CPU, where the torch reference attention runs)",
+}
 HOST_MODEL = dict(num_layers=1, hidden_size=64, intermediate_size=128, num_heads=2, num_kv_heads=1,
                   head_dim=32, vocab_size=512)  # tiny: the engine, not the model, is measured
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched inside the ``with`` block (eager: one kernel launch each)."""
+class LaunchCounter(TorchDispatchMode):
+    """Inside the ``with`` block: the aten ops dispatched, and the compiled Triton kernels launched
+    (Triton's ``launch_enter_hook``; its interpreter and the CPU's torch reference launch none)."""
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.aten_ops = 0
+        self.triton_launches = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
+        self.aten_ops += 1
         return func(*args, **(kwargs or {}))
+
+    def _launched(self, *args, **kwargs) -> None:
+        self.triton_launches += 1
+
+    def __enter__(self):
+        from triton import knobs
+
+        knobs.runtime.launch_enter_hook.add(self._launched)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from triton import knobs
+
+        knobs.runtime.launch_enter_hook.remove(self._launched)
+        return super().__exit__(*exc)
 
 
 @contextlib.contextmanager
@@ -71,7 +98,8 @@ def stand_in_model(llm, device):
 
 
 def decode_launches(model_name: str, device, dtype) -> dict:
-    """Aten ops of one eager decode forward of ``model_name``'s layer code, per layer and per step."""
+    """Aten ops and Triton launches of one eager decode forward of ``model_name``'s layer code,
+    per layer, outside the layers and per step (``triton_*``)."""
     config = load_config(model_name)
     counts = []
     for layers in (1, 2):
@@ -83,12 +111,15 @@ def decode_launches(model_name: str, device, dtype) -> dict:
         cache = llm.kv_cache
         cache.allocate("x", 4)
         input_ids, positions, attn = cache.prepare_inputs([("x", 3, 1)], [5])
-        with OpCounter() as counter, torch.inference_mode():
+        with LaunchCounter() as counter, torch.inference_mode():
             model(input_ids, positions, attn, cache.layer_caches)
-        counts.append(counter.count)
-    per_layer = counts[1] - counts[0]
-    return {"model": config.name, "per_layer": per_layer, "outside_layers": counts[0] - per_layer,
-            "per_step": counts[0] - per_layer + per_layer * config.num_layers}
+        counts.append(counter)
+    result = {"model": config.name}
+    for prefix, attribute in (("", "aten_ops"), ("triton_", "triton_launches")):
+        one, two = (getattr(counter, attribute) for counter in counts)
+        result |= {f"{prefix}per_layer": two - one, f"{prefix}outside_layers": 2 * one - two,
+                   f"{prefix}per_step": 2 * one - two + (two - one) * config.num_layers}
+    return result
 
 
 def decode_step_seconds(model, batch: int, ctx: int, steps: int, enforce_eager: bool) -> list[float]:
@@ -162,7 +193,7 @@ def bench_host(device=None, batch: int = 256, ctx: int = 1000, steps: int = 40,
     result = {"batch": batch, "ctx": ctx, "device": str(device),
               "step_seconds": walls, "model_seconds": per_step, "engine_seconds": engine,
               "engine_median_s": statistics.median(engine), "step_median_s": statistics.median(walls),
-              "launches": decode_launches(model_name, device, dtype)}
+              "launches": decode_launches(model_name, device, dtype), "measures": MEASURES}
     if device.type == "cuda":
         result["graphs"] = eager_vs_graphs(model_name, device)
     return result
@@ -173,11 +204,12 @@ def format_host(result: dict) -> str:
     lines = [
         f"decode steps at batch {result['batch']}, context ~{result['ctx']:,} on {result['device']}",
         f"  the engine's own Python per step: {result['engine_median_s'] * 1e3:,.2f} ms "
-        f"(median of {len(result['step_seconds'])} steps; logits and sampling took "
-        f"{statistics.median(result['model_seconds']) * 1e3:,.2f} ms more)",
-        f"  kernel launches of one eager decode forward of {launches['model']}: "
-        f"{launches['per_layer']} per layer, {launches['per_step']:,} per step "
-        f"(a CUDA graph replays them in one call)"]
+        f"(median of {len(result['step_seconds'])} steps, the model's forward a no-op: no attention "
+        f"or matmul; its logits and sampling, {statistics.median(result['model_seconds']) * 1e3:,.2f} ms, "
+        f"taken off)",
+        f"  one eager decode forward of {launches['model']}: {launches['per_layer']} aten ops per layer, "
+        f"{launches['per_step']:,} per step; {launches['triton_per_layer']} Triton launches per layer, "
+        f"{launches['triton_per_step']:,} per step (a CUDA graph replays them all in one call)"]
     for point in result.get("graphs", []):
         lines.append(f"  {launches['model']} decode step at batch {point['batch']}: eager "
                      f"{point['eager_median_s'] * 1e3:,.2f} ms, CUDA graph "

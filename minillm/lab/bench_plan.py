@@ -64,20 +64,28 @@ def admitted(model, engine_args: dict, ctx: int) -> dict:
             "num_preemptions": stats["num_preemptions"], "num_steps": len(steps)}
 
 
+def emulate_card(limit: int, device: torch.device) -> tuple[int, dict]:
+    """On CUDA, cap PyTorch's allocator at ``limit`` bytes (at most the card's), so that all
+    that runs next lives within the emulated card; return the limit and the record's fields.
+    Elsewhere the limit as is: the planner's ``memory_limit`` is the CPU's only card."""
+    if device.type != "cuda":
+        return limit, {}
+    index = torch.cuda.current_device() if device.index is None else device.index
+    device = torch.device("cuda", index)  # torch >= 2.11 refuses the fraction for a bare "cuda"
+    free, total = torch.cuda.mem_get_info(device)
+    limit = clamp_to_device(limit, total, torch.cuda.get_device_name(device))
+    torch.cuda.set_per_process_memory_fraction(limit / total, device)
+    return limit, {"device_before": {"free_bytes": free, "total_bytes": total},
+                   "memory_fraction": limit / total}
+
+
 def bench_plan(model_name: str = "llama-3.1-8b", device=None, dtype: str = "bf16",
                memory_limit="24GiB", contexts=(1024, 4096, 8192), **engine_args) -> dict:
     """The profiled plan of a card of ``memory_limit`` on ``device``, beside the dry run and the
     ledger, and the concurrency the engine reached at each of ``contexts``."""
     device = resolve_device(device)
-    limit = parse_size(memory_limit)
     torch_dtype = TORCH_DTYPES[dtype]
-    results: dict = {}
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        results["device_before"] = {"free_bytes": free, "total_bytes": total}
-        limit = clamp_to_device(limit, total, torch.cuda.get_device_name(device))
-        torch.cuda.set_per_process_memory_fraction(limit / total, device)
-        results["memory_fraction"] = limit / total
+    limit, results = emulate_card(parse_size(memory_limit), device)
     engine_args = {**engine_args, "memory_limit": limit}
     model = load_model(model_name, device=device, dtype=torch_dtype, weights="random")
     profiled = plan(model, max_model_len=-1, **engine_args)

@@ -7,7 +7,10 @@ Same signatures and semantics as ``minillm.engine.kernels.reference``:
   One program serves one KV head's whole group of query heads (GQA), so each K/V tile is loaded
   once for the group; the group is padded to 16 rows because ``tl.dot`` needs 16. Long contexts
   are split into pieces handled by separate programs (flash-decoding); a second kernel merges
-  the pieces with their log-sum-exp.
+  the pieces with their log-sum-exp. The grid sets how many pieces a context may have; each
+  sequence cuts its own context, read on the device, into pieces of at least
+  ``MIN_SPLIT_TOKENS``, so a CUDA graph captured for the longest context splits a short one as
+  an eager step would.
 * :func:`paged_prefill_attention`: new tokens attend causally to themselves and fully to the
   cached prefix before them (chunked prefill, prefix-cache hits). One program serves a tile of
   query tokens times the group of query heads of one KV head.
@@ -19,11 +22,11 @@ tensor cores with fp32 accumulation.
 
 Compiled once per run: Triton specializes an integer argument equal to 1 or divisible by 16, and
 a pointer 16-byte aligned, into a separate binary. The arguments that change from step to step
-(block-table width and pointer, number of sequences, split length and count) are marked
+(block-table width and pointer, number of sequences, split count) are marked
 ``do_not_specialize``, so a run compiles one binary per kernel (two for decode: with and without
-the split), all of which :func:`warmup` launches up front. Tile sizes and warps are chosen to fit
-sm_80 to sm_90 without register spills; ``tests/test_kernel_compile.py`` compiles every launch for
-each of them.
+the split), all of which :func:`warmup` launches up front. Tile sizes, warps and stages are chosen
+to fit sm_80 to sm_90 without register spills under Triton 3.6 and 3.7;
+``tests/test_kernel_compile.py`` compiles every launch for each of them under the Triton installed.
 """
 from __future__ import annotations
 
@@ -126,20 +129,26 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 # -- decode --------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["block_tables_ptr", "split_len", "stride_bt", "stride_lb", "stride_lh"])
+@triton.jit(do_not_specialize=["block_tables_ptr", "stride_bt", "stride_lb", "stride_lh"])
 def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                         out_ptr, lse_ptr, qk_scale, block_size, split_len,
+                         out_ptr, lse_ptr, qk_scale, block_size, min_split_len,
                          stride_qb, stride_qh,
                          stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                          stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          STORE_LSE: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Program (sequence, KV head, split): the group's query heads over one piece of the context."""
+    """Program (sequence, KV head, split): the group's query heads over one piece of the context.
+
+    The sequence cuts its own context into pieces of whole tiles, at least ``min_split_len``
+    tokens (a multiple of ``BLOCK_N``) each, and at most as many as the grid has splits; the
+    splits past its last piece are empty."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N,
+                           min_split_len)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -198,10 +207,23 @@ def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits,
              mask=mask_d)
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
-    """Pieces per context so that the decode grid fills ``num_sms`` SMs about twice."""
+def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
+                      min_split_tokens: int = MIN_SPLIT_TOKENS) -> int:
+    """Pieces per context so that the decode grid fills ``num_sms`` SMs about twice, no more than
+    a ``max_context`` needs: fewer splits would change the pieces, more would all be empty."""
     wanted = triton.cdiv(2 * num_sms, batch * num_kv_heads)
-    return max(1, min(wanted, max_context // MIN_SPLIT_TOKENS, MAX_SPLITS))
+    return max(1, min(wanted, triton.cdiv(max_context, min_split_tokens), MAX_SPLITS))
+
+
+def decode_launch(dtype: torch.dtype) -> tuple[int, int]:
+    """``(num_warps, num_stages)`` of decode for a cache ``dtype``: every target from sm_80 to
+    sm_90 fits them without spilling registers, under Triton 3.6 and 3.7.
+
+    4 warps. fp16/bf16 double-buffer their loads: Triton's default 3 stages leave ptxas a few
+    registers short on sm_90 at head_dim 128 under 3.6 (128 used, 8 bytes spilled), 2 use ~110.
+    fp32 keeps 3 (with 2 it spills on sm_86 to sm_90; 8 warps spill on sm_86/89 under 3.7).
+    """
+    return (4, 3) if dtype == torch.float32 else (4, 2)
 
 
 def _multiprocessor_count(device: torch.device) -> int:
@@ -211,11 +233,14 @@ def _multiprocessor_count(device: torch.device) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None,
+                           min_split_tokens: int = MIN_SPLIT_TOKENS) -> torch.Tensor:
     """``q`` ``[B, n_h, d]``, one token per sequence, attends to its ``seq_lens[i]`` cached tokens.
 
-    ``num_splits`` (default: :func:`decode_num_splits`) cuts each context into that many pieces
-    (at most ``MAX_SPLITS``).
+    ``num_splits`` (default: :func:`decode_num_splits`, at most ``MAX_SPLITS``) caps the pieces
+    of each context, which are at least ``min_split_tokens`` long (a multiple of
+    ``DECODE_BLOCK_N``). The pieces follow ``seq_lens``, not the table's width: a decode graph,
+    captured with the widest table, cuts each context as the eager step does.
     """
     _check_caches(k_cache, v_cache)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -225,19 +250,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _check_index("seq_lens", seq_lens, (batch,))
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+    if min_split_tokens < DECODE_BLOCK_N or min_split_tokens % DECODE_BLOCK_N:
+        raise ValueError(f"min_split_tokens must be a positive multiple of {DECODE_BLOCK_N}, "
+                         f"got {min_split_tokens}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     max_context = block_tables.shape[1] * block_size
     if batch == 0 or max_context == 0:
         return out.zero_()
     num_splits = min(num_splits or decode_num_splits(batch, num_kv_heads, max_context,
-                                                     _multiprocessor_count(q.device)), MAX_SPLITS)
-    split_len = triton.cdiv(triton.cdiv(max_context, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
-    num_splits = triton.cdiv(max_context, split_len)
+                                                     _multiprocessor_count(q.device), min_split_tokens),
+                     MAX_SPLITS)
+    num_warps, num_stages = decode_launch(k_cache.dtype)
     meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
                 BLOCK_D=max(MIN_DOT_ROWS, triton.next_power_of_2(head_dim)), BLOCK_N=DECODE_BLOCK_N,
-                DOT_FP32=_dot_in_fp32(k_cache))
+                DOT_FP32=_dot_in_fp32(k_cache), num_warps=num_warps, num_stages=num_stages)
     args = (q, k_cache, v_cache, block_tables, seq_lens)
-    common = (scale * LOG2E, block_size, split_len, q.stride(0), q.stride(1),
+    common = (scale * LOG2E, block_size, min_split_tokens, q.stride(0), q.stride(1),
               *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0))
     grid = (batch, num_kv_heads, num_splits)
     if num_splits == 1:
