@@ -8,7 +8,9 @@ two launches share a binary exactly when they share a key. Then:
 * no compile per step: an engine-like sweep (decode batches of 1..48 sequences, prefill chunks,
   contexts up to 2000 tokens, block tables of varying width, metadata from ``StepBuilder`` as the
   engine builds it) gives at most 2 keys per kernel, and ``warmup`` launches every one of them;
-* every binary fits: each distinct launch of ``warmup`` over the model matrix is compiled with
+* the quantized matmul (``triton_quant``) compiles once per layer shape, whatever the row count;
+* every binary fits: each distinct launch of ``warmup`` over the model matrix (fp8 caches
+  included), and of the quantized matmul over real layer shapes, is compiled with
   ``triton.compile`` for each target; its shared memory must fit the target's per-block limit
   (``metadata.shared``) and ptxas must spill nothing. The metadata has no spill count (Triton reads
   it from the driver when it loads the binary), so the ``ptxas -v`` log Triton prints under
@@ -47,18 +49,26 @@ TARGETS = (80, 86, 89, 90)
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 # (num_heads, num_kv_heads): GQA group 4 (Llama 3 8B), group 7 (Qwen2.5 0.5B), MHA
 SHAPES = ((32, 8), (14, 2), (32, 32))
-DTYPES = ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 64), (torch.float16, 128),
-          (torch.float32, 128))
+FP8 = torch.float8_e4m3fn
+FP8_MIN_TARGET = 89  # e4m3 (Triton's fp8e4nv) exists from sm_89 (Ada, Hopper) on
+# (activation dtype, head_dim, cache dtype): the model's dtype, or an fp8 cache (kv_cache_dtype="fp8")
+DTYPES = ((torch.bfloat16, 64, None), (torch.bfloat16, 128, None), (torch.float16, 64, None),
+          (torch.float16, 128, None), (torch.float32, 128, None), (torch.bfloat16, 128, FP8),
+          (torch.float16, 64, FP8))
+# (in_features, out_features) of the quantized linears: Llama-3.1-8B's and SmolLM2-135M's
+LINEAR_SHAPES = ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096), (4096, 128256),
+                 (576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152))
+QUANT_FORMATS = (("int8", 0), ("int4", 32), ("int4", 128))
 BLOCK_SIZE = 16
 SWEEP_SMS = 132  # split decode as on an H100 SXM
 MAX_VARIANTS = 2
 
 
 def model_matrix():
-    """``(name, config, dtype)`` for each shape, dtype and head_dim."""
-    return [(f"{str(dtype)[6:]} d{head_dim} {n_heads}/{n_kv}",
-             SimpleNamespace(num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim), dtype)
-            for n_heads, n_kv in SHAPES for dtype, head_dim in DTYPES]
+    """``(name, config, dtype, kv_dtype)`` for each shape, dtype, head_dim and cache dtype."""
+    return [(f"{str(dtype)[6:]} d{head_dim} {n_heads}/{n_kv}" + (" fp8 KV" if kv_dtype else ""),
+             SimpleNamespace(num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim), dtype, kv_dtype)
+            for n_heads, n_kv in SHAPES for dtype, head_dim, kv_dtype in DTYPES]
 
 
 # -- in the subprocess ---------------------------------------------------------------------------
@@ -89,7 +99,7 @@ def recorded_launches():
     launches = []
 
     def hook(*, key, fn, compile, **_):
-        launches.append({"kernel": fn.name, "key": key, "compile": compile})
+        launches.append({"kernel": fn.name, "module": fn.module, "key": key, "compile": compile})
         return True  # skip the compile and the launch
 
     driver.set_active(_FakeCudaDriver(90))
@@ -100,7 +110,7 @@ def recorded_launches():
         knobs.runtime.jit_cache_hook = None
 
 
-def sweep(config, dtype, device="cpu"):
+def sweep(config, dtype, kv_dtype=None, device="cpu"):
     """The attention launches of an engine's steps, the metadata built as the engine builds it
     (every table entry is block 0, so on a GPU they run too)."""
     from minillm.engine.attention_metadata import StepBuilder
@@ -108,7 +118,7 @@ def sweep(config, dtype, device="cpu"):
 
     rng = random.Random(0)
     n_heads, n_kv, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-    k_cache, v_cache = (torch.zeros(4, BLOCK_SIZE, n_kv, head_dim, dtype=dtype, device=device)
+    k_cache, v_cache = (torch.zeros(4, BLOCK_SIZE, n_kv, head_dim, dtype=kv_dtype or dtype, device=device)
                         for _ in range(2))
     builder = StepBuilder(device)
     steps = [([rng.randint(0, 42 * batch - 1) for _ in range(batch)], [1] * batch)  # decode
@@ -137,11 +147,11 @@ def variants():
 
     ta._multiprocessor_count = lambda device: SWEEP_SMS
     result = {}
-    for name, config, dtype in model_matrix():
+    for name, config, dtype, kv_dtype in model_matrix():
         with recorded_launches() as swept:
-            sweep(config, dtype)
+            sweep(config, dtype, kv_dtype)
         with recorded_launches() as warmed:
-            ta.warmup(config, dtype, "cpu", BLOCK_SIZE)
+            ta.warmup(config, dtype, "cpu", BLOCK_SIZE, kv_dtype)
         keys = defaultdict(set)
         for launch in swept:
             keys[launch["kernel"]].add(launch["key"])
@@ -153,15 +163,38 @@ def variants():
     return result
 
 
-def compile_one(kernel, signature, constants, attrs, num_warps, num_stages, cc):
+def quant_launches(rows=(1,)):
+    """The quantized matmul's launches for every linear shape and format, in bf16 and fp16, at
+    ``rows`` input rows (decode batches and prefill chunks)."""
+    from minillm.engine.kernels.triton_quant import int4_linear, int8_linear
+    from minillm.engine.quantization import pack_int4
+
+    with recorded_launches() as launches:
+        for k, n in LINEAR_SHAPES:
+            for dtype in (torch.bfloat16, torch.float16):
+                for m in rows:
+                    x = torch.zeros(m, k, dtype=dtype)
+                    for method, group in QUANT_FORMATS:
+                        if k % max(group, 1):
+                            continue  # the engine refuses int4 groups that do not tile K
+                        if method == "int8":
+                            int8_linear(x, torch.zeros(n, k, dtype=torch.int8), torch.zeros(n))
+                        else:
+                            params = torch.zeros(k // group, n, 2, dtype=torch.float16)
+                            int4_linear(x, pack_int4(torch.zeros(n, k, dtype=torch.uint8)), params, group)
+    return launches
+
+
+def compile_one(module, kernel, signature, constants, attrs, num_warps, num_stages, cc):
     """Compile one launch for ``sm_{cc}``: its shared memory, registers and spills (ptxas -v)."""
+    import importlib
+
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
-    from minillm.engine.kernels import triton_attention as ta
 
     knobs.nvidia.dump_ptxas_log = True
-    src = triton.compiler.ASTSource(getattr(ta, kernel), signature, constants, attrs)
+    src = triton.compiler.ASTSource(getattr(importlib.import_module(module), kernel), signature, constants, attrs)
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32),
@@ -179,11 +212,13 @@ def compile_all():
     from minillm.engine.kernels import triton_attention as ta
 
     launches = {}
-    for name, config, dtype in model_matrix():
+    for name, config, dtype, kv_dtype in model_matrix():
         with recorded_launches() as warmed:
-            ta.warmup(config, dtype, "cpu", BLOCK_SIZE)
+            ta.warmup(config, dtype, "cpu", BLOCK_SIZE, kv_dtype)
         for launch in warmed:
             launches.setdefault((launch["kernel"], launch["key"]), (name, launch))
+    for launch in quant_launches():
+        launches.setdefault((launch["kernel"], launch["key"]), ("quantized linears", launch))
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache  # fresh: a cache hit would skip ptxas
         workers = min(8, os.cpu_count() or 1)
@@ -191,8 +226,10 @@ def compile_all():
             jobs = []
             for cc in TARGETS:
                 for name, launch in launches.values():
+                    if "fp8 KV" in name and cc < FP8_MIN_TARGET:
+                        continue  # Triton has no e4m3 before sm_89: the engine refuses fp8 KV there
                     c = launch["compile"]
-                    future = pool.submit(compile_one, launch["kernel"], c["signature"],
+                    future = pool.submit(compile_one, launch["module"], launch["kernel"], c["signature"],
                                          c["constants"], c["configs"][0], c["num_warps"],
                                          c["num_stages"], cc)
                     names = list(c["signature"])
@@ -217,8 +254,10 @@ def report():
 def test_every_launch_fits_the_target_without_spills(report, cc):
     compiled = [r for r in report["compiled"] if r["target"] == cc]
     assert {r["kernel"] for r in compiled} == {"_store_kv_kernel", "_paged_decode_kernel",
-                                               "_merge_splits_kernel", "_paged_prefill_kernel"}
-    assert {r["model"] for r in compiled} == {name for name, _, _ in model_matrix()}
+                                               "_merge_splits_kernel", "_paged_prefill_kernel",
+                                               "_quant_matmul_kernel"}
+    models = {name for name, *_ in model_matrix() if cc >= FP8_MIN_TARGET or "fp8 KV" not in name}
+    assert {r["model"] for r in compiled} == models | {"quantized linears"}
     too_big = [r for r in compiled if r["shared"] > SHARED_LIMIT[cc]]
     assert not too_big, f"over {SHARED_LIMIT[cc]} B of shared memory: {too_big}"
     spilling = [r for r in compiled if r["spill_stores"] or r["spill_loads"]]
@@ -237,12 +276,12 @@ def test_a_run_compiles_each_kernel_at_most_twice_all_in_warmup(report):
 def test_after_warmup_a_run_compiles_nothing(monkeypatch):
     from triton import knobs
 
-    for _, config, dtype in model_matrix()[:2]:
-        kernels.warmup(config, dtype, "cuda", BLOCK_SIZE)
+    for _, config, dtype, kv_dtype in model_matrix()[:2]:
+        kernels.warmup(config, dtype, "cuda", BLOCK_SIZE, kv_dtype)
         compiled = []
         monkeypatch.setattr(knobs.runtime, "jit_cache_hook",
                             lambda *, fn, **_: compiled.append(fn.name))  # on a cache miss
-        sweep(config, dtype, "cuda")
+        sweep(config, dtype, kv_dtype, "cuda")
         torch.cuda.synchronize()
         monkeypatch.undo()
         assert not compiled
@@ -254,6 +293,21 @@ def test_warmup_is_a_no_op_off_cuda(monkeypatch):
     assert kernels.warmup(config, torch.float32, "cpu", BLOCK_SIZE) is None
 
 
+def quant_variants():
+    """Distinct keys of the quantized matmul per linear shape, format and dtype, over decode
+    batches of 1..48 rows and prefill chunks: the row count must not make a new binary."""
+    keys = defaultdict(set)
+    for launch in quant_launches(rows=(1, 2, 3, 8, 16, 17, 48, 300, 2048)):
+        c = launch["compile"]
+        keys[json.dumps([sorted(map(str, c["constants"].items())), sorted(map(str, c["signature"].items()))])
+             ].add(launch["key"])
+    return max(len(k) for k in keys.values())
+
+
+def test_the_quantized_matmul_compiles_once_per_layer_shape(report):
+    assert report["quant_variants"] == 1
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)  # tiny tensors; the cores go to the compiles
-    print(json.dumps({"variants": variants(), "compiled": compile_all()}))
+    print(json.dumps({"variants": variants(), "compiled": compile_all(), "quant_variants": quant_variants()}))

@@ -238,3 +238,33 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="slot_mapping"):
         triton_attention.store_kv(torch.randn(2, 2, 64), torch.randn(2, 2, 64), k_cache, v_cache,
                                   torch.tensor([0, 1, 2]))
+
+
+def test_an_fp8_cache_is_stored_saturated_and_read_back_in_the_queries_dtype():
+    """kv_cache_dtype="fp8": store clamps to e4m3's ±448 (no inf, no NaN) and rounds; decode and
+    prefill read the e4m3 values back and attend in the queries' dtype, as the reference does."""
+    fp8 = torch.float8_e4m3fn
+    k = torch.randn(6, 2, 64) * 3
+    k[0, 0, :4] = torch.tensor([1000.0, -1000.0, 448.0, 0.3])
+    v = torch.randn(6, 2, 64)
+    caches = [torch.zeros(2, 4, 2, 64, dtype=fp8, device=DEVICE) for _ in range(4)]
+    slots = torch.arange(6)
+    triton_attention.store_kv(k.to(DEVICE), v.to(DEVICE), caches[0], caches[1], slots.to(DEVICE))
+    reference.store_kv(k, v, caches[2], caches[3], slots)
+    stored = caches[0].flatten(0, 1)[:6].float().cpu()
+    assert stored[0, 0, :3].tolist() == [448.0, -448.0, 448.0] and torch.isfinite(stored).all()
+    if not triton_attention.INTERPRET:  # the interpreter's e4m3 cast is off by up to a power of 2
+        torch.testing.assert_close(stored, caches[2].flatten(0, 1)[:6].float(), rtol=0.07, atol=1e-2)
+    k_cache, v_cache = caches[2].to(DEVICE), caches[3].to(DEVICE)
+    table = torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([6], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(1, 4, 64).to(torch.bfloat16).to(DEVICE)
+    out = triton_attention.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.125)
+    expected = reference.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.125)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    q6 = torch.randn(6, 4, 64).to(torch.bfloat16).to(DEVICE)
+    cu = torch.tensor([0, 6], dtype=torch.int32, device=DEVICE)
+    out = triton_attention.paged_prefill_attention(q6, k_cache, v_cache, table, cu, lens, 0.125)
+    expected = reference.paged_prefill_attention(q6, k_cache, v_cache, table, cu, lens, 0.125)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)

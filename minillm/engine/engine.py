@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from minillm.engine.device import pick_device
 from minillm.engine.engine_config import EngineConfig
 from minillm.engine.kv_cache import kv_bytes_per_token, kv_storage_dtype
 from minillm.engine.loader import load_model
@@ -40,6 +41,7 @@ class LLMEngine:
 
     def __init__(self, model, device=None, dtype=None, weights: str = "auto", **engine_args):
         config = EngineConfig(**engine_args)
+        _check_device(config, device)
         self.model = _load(model, device, dtype, weights, config)
         self.tokenizer = getattr(self.model, "tokenizer", None)
         self.memory_plan = None
@@ -207,6 +209,20 @@ def _resolve(config: EngineConfig, model: Transformer) -> EngineConfig:
         num_cpu_blocks = (min(config.num_kv_blocks, SWAP_SPACE_BYTES // bytes_per_block)
                           if config.num_cpu_blocks is None else config.num_cpu_blocks)
     return config.replace(max_model_len=max_model_len, num_cpu_blocks=num_cpu_blocks)
+
+
+FP8_MIN_CAPABILITY = (8, 9)  # e4m3 in Triton (fp8e4nv): Ada and Hopper on, not Ampere
+
+
+def _check_device(config: EngineConfig, device) -> None:
+    """An fp8 KV cache on a GPU needs e4m3 support in Triton; refused before anything is loaded."""
+    if config.kv_cache_dtype != "fp8":
+        return
+    device = torch.device(device) if device is not None else pick_device()
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        raise ValueError(f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer (Ada, "
+                         f"Hopper): {torch.cuda.get_device_name(device)} is "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}; use 'auto'")
 
 
 def _load(model, device, dtype, weights, config: EngineConfig) -> Transformer:

@@ -14,6 +14,7 @@ from minillm.engine.engine_config import EngineConfig
 from minillm.engine.kernels import warmup
 from minillm.engine.model import Transformer
 from minillm.engine.paged_cache import PagedKVCache
+from minillm.engine.quantization import warmup_quantized
 from minillm.engine.sampling import make_generator, sample
 from minillm.engine.scheduler import SchedulerOutput
 
@@ -29,7 +30,9 @@ class ModelRunner:
         self.kv = kv_cache
         self.device = model.device
         self.generators: dict[str, torch.Generator] = {}  # per-request seeded RNGs
-        warmup(model.config, model.dtype, self.device, kv_cache.block_size)  # compile before any timed step
+        # compile before any timed step: the attention kernels, and the quantized linears' matmuls
+        warmup(model.config, model.dtype, self.device, kv_cache.block_size, kv_cache.kv.dtype)
+        warmup_quantized(model)
         sizes = config.cuda_graph_sizes
         if sizes is None:
             sizes = graph_sizes(config.max_num_seqs) if self.device.type == "cuda" else []

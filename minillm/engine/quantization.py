@@ -184,3 +184,17 @@ def quantize_model(model: nn.Module, quantization: str, group_size: int = 32) ->
             setattr(model.get_submodule(parent_name), attr,
                     Int4Linear(linear, group_size) if int4 else Int8Linear(linear))
     return model
+
+
+def warmup_quantized(model: nn.Module) -> None:
+    """On CUDA, run each quantized layer once per distinct shape (a decode-sized and a
+    prefill-sized input), so that the Triton matmul compiles before any timed step."""
+    seen = set()
+    for module in model.modules():
+        if not isinstance(module, (Int8Linear, Int4Linear)) or not module.qweight.is_cuda:
+            continue
+        key = (type(module), module.in_features, module.out_features, getattr(module, "group_size", 0))
+        if key not in seen:
+            seen.add(key)
+            for rows in (1, 32):
+                module(torch.zeros(rows, module.in_features, dtype=model.dtype, device=module.qweight.device))

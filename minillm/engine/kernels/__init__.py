@@ -43,11 +43,12 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
                                                   cu_seqlens_q, seq_lens, scale)
 
 
-def warmup(config, dtype: torch.dtype, device, block_size: int) -> None:
-    """Compile every Triton binary a run of ``config`` with ``dtype`` caches of ``block_size``
-    launches, so that no timed step compiles; a no-op off CUDA, where the reference runs."""
+def warmup(config, dtype: torch.dtype, device, block_size: int, kv_dtype: torch.dtype | None = None) -> None:
+    """Compile every Triton binary a run of ``config`` with ``dtype`` activations and ``kv_dtype``
+    caches (default ``dtype``) of ``block_size`` launches, so that no timed step compiles; a no-op
+    off CUDA, where the reference runs."""
     device = torch.device(device)
     if device.type != "cuda":
         return
     with torch.cuda.device(device):
-        _impl("triton").warmup(config, dtype, device, block_size)
+        _impl("triton").warmup(config, dtype, device, block_size, kv_dtype)

@@ -44,6 +44,7 @@ DECODE_BLOCK_N = 64  # context tokens per tile in decode
 MIN_SPLIT_TOKENS = 256  # decode splits the context only into pieces at least this long
 MAX_SPLITS = 64  # and into at most this many (one merge binary for every split count)
 INDEX_DTYPES = (torch.int32, torch.int64)
+FP8_MAX = tl.constexpr(448.0)  # the largest e4m3 value (torch.finfo(torch.float8_e4m3fn).max)
 
 
 # -- building blocks shared by the kernels ------------------------------------------------------
@@ -66,8 +67,8 @@ def _online_softmax_step(q, k, v, mask, m_i, l_i, acc, qk_scale, DOT_FP32: tl.co
     """
     if DOT_FP32:
         scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        scores = tl.dot(q.to(k.dtype), tl.trans(k))
+    else:  # an fp8 cache's keys and values are read back in the queries' dtype
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)))
     scores = tl.where(mask, scores * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -77,7 +78,7 @@ def _online_softmax_step(q, k, v, mask, m_i, l_i, acc, qk_scale, DOT_FP32: tl.co
     if DOT_FP32:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
-        pv = tl.dot(p.to(v.dtype), v)
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
@@ -87,7 +88,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, b
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, SATURATE: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # -1: this token's K/V is not stored
@@ -99,6 +100,9 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, b
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if SATURATE:  # an fp8 cache: clamp to e4m3's ±448 as torch's cast does, not to inf or NaN
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -FP8_MAX), FP8_MAX)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + offs_h[:, None] * stride_kch
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + offs_h[:, None] * stride_vch
     tl.store(k_dst + offs_d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -125,7 +129,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        SATURATE=k_cache.element_size() == 1)
 
 
 # -- decode --------------------------------------------------------------------------------------
@@ -396,18 +401,20 @@ def prefill_tiles(dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]
 
 
 # -- warmup --------------------------------------------------------------------------------------
-def warmup(config, dtype: torch.dtype, device: torch.device | str, block_size: int) -> None:
+def warmup(config, dtype: torch.dtype, device: torch.device | str, block_size: int,
+           kv_dtype: torch.dtype | None = None) -> None:
     """Launch each kernel once per binary a run of ``config`` needs, so that no step compiles.
 
     The launches use the engine's argument kinds (int32 block tables, lengths and offsets, int64
-    slots, ``dtype`` queries and caches); their sizes do not matter, as nothing step-varying is
-    specialized. Decode runs once whole and once split in two, which also compiles the merge.
+    slots, ``dtype`` queries, ``kv_dtype`` caches, default ``dtype``); their sizes do not matter,
+    as nothing step-varying is specialized. Decode runs once whole and once split in two, which
+    also compiles the merge.
     """
     n_heads, n_kv, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     context = 2 * DECODE_BLOCK_N  # long enough for two pieces
     num_blocks = triton.cdiv(context, block_size)
-    k_cache, v_cache = (torch.zeros(num_blocks, block_size, n_kv, head_dim, dtype=dtype, device=device)
-                        for _ in range(2))
+    k_cache, v_cache = (torch.zeros(num_blocks, block_size, n_kv, head_dim, dtype=kv_dtype or dtype,
+                                    device=device) for _ in range(2))
     table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
     seq_lens = torch.tensor([context], dtype=torch.int32, device=device)
     kv = torch.zeros(2, n_kv, head_dim, dtype=dtype, device=device)

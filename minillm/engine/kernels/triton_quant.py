@@ -10,8 +10,10 @@ One kernel serves both formats (``BITS`` is a compile-time constant):
   output row.
 
 Each program computes a ``BLOCK_M x BLOCK_N`` tile of ``y``; decode steps have few rows, so
-``BLOCK_M`` is 16 (``tl.dot``'s minimum) and the rows past M are masked. Under
-``TRITON_INTERPRET=1`` (CPU tests) the dot runs in float32, as in ``triton_attention``.
+``BLOCK_M`` is 16 (``tl.dot``'s minimum) and the rows past M are masked. The row count is not
+specialized, so each layer shape compiles once (``minillm.engine.quantization.warmup_quantized``
+does it before the first step). Under ``TRITON_INTERPRET=1`` (CPU tests) the dot runs in float32,
+as in ``triton_attention``.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ BLOCK_N = 64
 INT8_BLOCK_K = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_xm", "stride_ym"])
 def _quant_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                          BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
