@@ -443,9 +443,6 @@ NOT_YET = {
     "book/ch03-prefill.md", "notebooks/ch03-prefill.ipynb",
     "book/ch04-decode.md", "notebooks/ch04-decode.ipynb",
     "book/ch05-kvcache.md", "notebooks/ch05-kvcache.ipynb",
-    "book/ch06-memory.md", "notebooks/ch06-memory.ipynb",
-    "book/ch07-paging.md", "notebooks/ch07-paging.ipynb",
-    "book/ch08-scheduling.md", "notebooks/ch08-scheduling.ipynb",
     "book/ch09-serving.md", "notebooks/ch09-serving.ipynb",
     "book/ch10-diagnose.md", "notebooks/ch10-diagnose.ipynb",
 }

@@ -24,9 +24,6 @@ NOT_YET = {
     "ch03-prefill",
     "ch04-decode",
     "ch05-kvcache",
-    "ch06-memory",
-    "ch07-paging",
-    "ch08-scheduling",
     "ch09-serving",
     "ch10-diagnose",
 }

@@ -162,6 +162,17 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def enough_gpu_memory(device: torch.device, nbytes: int) -> bool:
+    """Whether ``device`` has ``nbytes`` free for an experiment (always True on the CPU); when it
+    has not, says so in Chinese, so the lab can shrink the experiment instead of running out."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < nbytes:
+        print(f"这张卡现在只剩 {free / 2**30:.1f} GiB 空闲，下一个实验要约 {nbytes / 2**30:.1f} GiB：改用较小的规模。")
+    return free >= nbytes
+
+
 def recorded(record: BenchRecord | None, text: Callable[[BenchRecord], str | None]) -> str:
     """A GPU column cell: ``text(record)`` followed by the GPU and model it was measured on, or the
     plain "not recorded yet" when there is no record (or ``text`` finds nothing in it)."""

@@ -104,7 +104,7 @@ MEMORY_SEGMENTS = (("权重", "weight_bytes", "#0072B2"), ("激活峰值", "acti
                    ("未用", "unused_bytes", "#DDDDDD"))
 
 
-def plot_memory_plans(ax, plans, min_share: float = 7.0) -> None:
+def plot_memory_plans(ax, plans, min_share: float = 12.0, fontsize: float = 10) -> None:
     """Where each card's memory goes, one stacked bar per ``(label, MemoryPlan)`` in ``plans``
     (a list of pairs or a dict), as shares of the whole card so cards of any size compare: weights,
     activation peak, memory outside PyTorch, KV blocks, unused (chapter 一张 24 GiB 的卡放 8B 模型).
@@ -122,21 +122,24 @@ def plot_memory_plans(ax, plans, min_share: float = 7.0) -> None:
             share = 100 * size / plan.total_bytes
             ax.barh(row, share, left=left, color=color, edgecolor="white", label=label if row == 0 else None)
             if share > min_share:
-                ax.text(left + share / 2, row, fmt_bytes(size), ha="center", va="center", fontsize=7.5)
+                ax.text(left + share / 2, row, fmt_bytes(size), ha="center", va="center", fontsize=fontsize)
             left += share
-    ax.set_yticks(range(len(plans)), [label for label, _ in plans], fontsize=8.5)
+    ax.set_yticks(range(len(plans)), [label for label, _ in plans], fontsize=fontsize)
     ax.invert_yaxis()
     ax.set_xlim(0, 100)
     ax.set_xlabel("占整张卡的比例（%）")
     ax.grid(False)
-    ax.legend(ncols=len(MEMORY_SEGMENTS), loc="upper center", bbox_to_anchor=(0.5, -0.22), fontsize=8)
+    ax.legend(ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.25), fontsize=fontsize)
 
 
 def flowchart(ax, nodes: dict[str, tuple[float, float, str]], edges: list[tuple[str, str, str]],
-              colors: dict[str, str] | None = None, width: float = 1.6, height: float = 0.6) -> None:
+              colors: dict[str, str] | None = None, width: float = 1.6, height: float = 0.6,
+              fontsize: float = 8.5) -> None:
     """A box-and-arrow diagram in the book's style, drawn by matplotlib so it renders offline with
     the CJK font: ``nodes`` maps a name to ``(x, y, label)`` (box centers, data units); ``edges``
     are ``(from, to, label)`` arrows; ``colors`` maps a name to its box color (default: light grey).
+    ``fontsize`` (points) is the boxes' text; edge labels are a point smaller, set beside their
+    arrow, never on it.
     """
     from matplotlib.patches import FancyBboxPatch
 
@@ -145,7 +148,7 @@ def flowchart(ax, nodes: dict[str, tuple[float, float, str]], edges: list[tuple[
         ax.add_patch(FancyBboxPatch((x - width / 2, y - height / 2), width, height,
                                     boxstyle="round,pad=0.04,rounding_size=0.12", facecolor=color,
                                     edgecolor="#555555", linewidth=0.8))
-        ax.text(x, y, label, ha="center", va="center", fontsize=8.5)
+        ax.text(x, y, label, ha="center", va="center", fontsize=fontsize)
     def border(x, y, dx, dy):  # where the line from a box's center along (dx, dy) leaves the box
         scale = min(width / 2 / abs(dx) if dx else float("inf"), height / 2 / abs(dy) if dy else float("inf"))
         return x + dx * scale * 1.08, y + dy * scale * 1.08
@@ -155,11 +158,16 @@ def flowchart(ax, nodes: dict[str, tuple[float, float, str]], edges: list[tuple[
         tail, head = border(x0, y0, x1 - x0, y1 - y0), border(x1, y1, x0 - x1, y0 - y1)
         ax.annotate("", xy=head, xytext=tail,
                     arrowprops=dict(arrowstyle="-|>", color="#555555", lw=1.0, shrinkA=0, shrinkB=0))
-        if label:  # above a sideways arrow, beside an upright one
-            upright = abs(y1 - y0) > abs(x1 - x0)
-            ax.text((tail[0] + head[0]) / 2 + 0.08 * upright, (tail[1] + head[1]) / 2, label,
-                    ha="left" if upright else "center", va="center" if upright else "bottom",
-                    fontsize=7.5, color="#333333")
+        if label:  # offset from the arrow's midpoint along its normal, so the arrow never strikes it
+            dx, dy = head[0] - tail[0], head[1] - tail[1]
+            norm = (dx * dx + dy * dy) ** 0.5 or 1.0
+            nx, ny = -dy / norm, dx / norm
+            if ny < 0 or (ny == 0 and nx < 0):  # the side above (or right of) the arrow
+                nx, ny = -nx, -ny
+            ax.annotate(label, ((tail[0] + head[0]) / 2, (tail[1] + head[1]) / 2),
+                        xytext=(6 * nx, 6 * ny), textcoords="offset points",
+                        ha="left" if nx > 0.3 else ("right" if nx < -0.3 else "center"),
+                        va="bottom" if ny > 0.3 else "center", fontsize=fontsize - 1, color="#333333")
     xs, ys = [x for x, _, _ in nodes.values()], [y for _, y, _ in nodes.values()]
     ax.set_xlim(min(xs) - width, max(xs) + width)
     ax.set_ylim(min(ys) - 2 * height, max(ys) + 2 * height)

@@ -1,0 +1,121 @@
+"""The scheduling lab's kit (minillm.lab.chapters.ch08_scheduling): the contract's steps at a
+device's ceilings, the slot-step estimate, the schedule's floor, and what a run reports."""
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from minillm import LLM, LLMEngine, load_model  # noqa: E402
+from minillm.engine.config import load_config  # noqa: E402
+from minillm.lab import estimate as L  # noqa: E402
+from minillm.lab.chapters import ch08_scheduling as ch08  # noqa: E402
+from minillm.lab.gpus import lookup_gpu  # noqa: E402
+from minillm.lab.notebook import greedy  # noqa: E402
+
+CFG = load_config("llama-3.1-8b")
+
+
+def test_a_prompt_in_spans_costs_what_it_costs_whole():
+    n = 8192
+    assert ch08.prefill_span_flops(CFG, 0, n, n) == L.prefill(CFG, n).flops
+    spans = [(0, 2041), (2041, 4082), (4082, 6123), (6123, 8164), (8164, 8192)]
+    assert sum(ch08.prefill_span_flops(CFG, a, b, n) for a, b in spans) == L.prefill(CFG, n).flops
+    # the output layer is billed once, with the span that ends the prompt
+    assert ch08.prefill_span_flops(CFG, 0, 100, n) == 100 * (L.matmul_flops_per_token(CFG) - L.output_layer_flops(CFG)) \
+        + L.prefill_attention_flops(CFG, 100)
+
+
+def test_the_contract_on_an_h100():
+    steps = ch08.contract_on_gpu()
+    gpu = lookup_gpu("H100 SXM")
+    assert (steps.prompt_len, steps.budget, steps.running, steps.ctx) == (8192, 2048, 7, 1024)
+    assert steps.chunk_tokens == 2041 and steps.chunk_count == math.ceil(8192 / 2041) == 5
+    assert steps.spans[0] == (0, 2041) and steps.spans[-1] == (8164, 8192)
+    decode = L.decode_step(CFG, 7, 1024, gpu.bandwidth)
+    assert steps.decode.flops == decode.flops and steps.decode.bytes == decode.bytes
+    assert steps.decode.bound == "memory" and steps.whole.bound == "compute"
+    assert steps.whole.flops == decode.flops + L.prefill(CFG, 8192).flops
+    assert steps.whole.seconds == pytest.approx((decode.flops + L.prefill(CFG, 8192).flops) / gpu.bf16_flops)
+    # chunks: each shorter than the whole, later ones heavier (more attention), the tiny last one light
+    secs = [f.seconds for f in steps.chunks]
+    assert secs[0] < secs[1] < secs[2] < secs[3] and secs[4] < secs[0]
+    assert steps.worst_chunk is steps.chunks[3]
+    assert steps.chunked_seconds > steps.whole.seconds  # chunking saves no compute
+    words = ch08.contract_words(steps)
+    assert all(key.startswith("contract_gpu_") for key in words)
+    assert words["contract_gpu_chunks"] == "5" and words["contract_gpu_chunk_tokens"] == "2,041"
+    assert words["contract_gpu_whole_bound"] == "算力"
+
+
+def test_a_larger_budget_means_fewer_longer_chunks():
+    small, big = ch08.contract_on_gpu(budget=1024), ch08.contract_on_gpu(budget=8192)
+    assert small.chunk_count == 9 and big.chunk_count == 2
+    assert small.worst_chunk.seconds < big.worst_chunk.seconds
+    with pytest.raises(ValueError):
+        ch08.contract_steps(CFG, 100, 4, 4, 16, 1e12, 1e9)
+
+
+def test_slot_estimate_by_hand():
+    est = ch08.slot_estimate([4, 1, 1, 1], slots=2)
+    assert est["static"]["steps"] == 5 and est["static"]["idle"] == pytest.approx(1 - 7 / 10)
+    assert est["static"]["starts"] == [0, 0, 4, 4]
+    assert est["continuous"]["steps"] == 4 and est["continuous"]["starts"] == [0, 0, 1, 2]
+    assert est["continuous"]["idle_steps"] == 1 and est["lower_bound"] == 4
+
+
+def test_schedule_floor_counts_each_step():
+    cfg, P, W = load_config("tiny"), 1e11, 1e10
+    steps = [{"num_prefill_tokens": 10, "num_decode_tokens": 0, "num_sampled": 1},
+             {"num_prefill_tokens": 0, "num_decode_tokens": 2, "num_sampled": 2}]
+    body = L.matmul_flops_per_token(cfg) - L.output_layer_flops(cfg)
+    one = L.roofline_floor(10 * (body + L.attention_flops_per_token(cfg, 8)) + L.output_layer_flops(cfg),
+                           L.weight_bytes(cfg, "fp32") + L.kv_bytes(cfg, 10, "fp32"), P, W).seconds
+    two = L.roofline_floor(2 * (body + L.attention_flops_per_token(cfg, 8)) + 2 * L.output_layer_flops(cfg),
+                           L.weight_bytes(cfg, "fp32") + L.kv_bytes(cfg, 16, "fp32"), P, W).seconds
+    assert ch08.schedule_floor(cfg, steps, 8, P, W, "fp32") == pytest.approx(one + two)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return load_model("tiny", device="cpu", dtype=torch.float32, weights="random")
+
+
+def test_run_summary_of_a_static_run(tiny):
+    prompts = [[1 + i] * 20 for i in range(4)]
+    lens = [3, 1, 1, 1]
+    llm = LLM(tiny, num_kv_blocks=ch08.pool_blocks([20] * 4, lens), max_num_seqs=2, scheduling="static",
+              enable_prefix_caching=False)
+    run = ch08.run_summary(llm, llm.generate(prompts, [greedy(o) for o in lens], use_tqdm=False), slots=2)
+    est = ch08.slot_estimate(lens, 2)
+    assert len(run["steps"]) == est["static"]["steps"] and run["idle"] == pytest.approx(est["static"]["idle"])
+    assert [len(t) for t in run["tokens"]] == lens and run["blocks_back"] and run["preemptions"] == 0
+    assert run["prefill_tokens"] == 80
+
+
+def test_contract_result_sees_the_stall(tiny):
+    engine = LLMEngine(tiny, num_kv_blocks=64, max_num_batched_tokens=34, enable_prefix_caching=False)
+    for i in range(2):
+        engine.add_request(f"q{i}", [5 + i] * 8, greedy(20))
+    finished = {}
+    while engine.has_unfinished():
+        if len(engine.recorder.steps) == 3:
+            engine.add_request("contract", list(range(1, 129)), greedy(2))
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    result = ch08.contract_result(engine.stats()["steps"], finished)
+    assert sum(result["chunks"]) == 128 and all(n <= 32 for n in result["chunks"])
+    assert len(result["chunks"]) == 4
+    assert result["worst_gap"] >= result["decode_step"] > 0 and result["contract_ttft"] > 0
+
+
+def test_a_time_under_its_floor_is_explained_in_numbers():
+    from minillm.lab.machine_profile import MachineProfile
+
+    profile = MachineProfile("cpu", "x", 1, 1e10, 2e10, "torch.float32", 3.0, "2026-01-01")
+    floor = L.roofline_floor(4e10, 1e9, 2e10, 1e10)  # compute-bound, >= 2 s
+    assert ch08.why_below(2.5, floor, profile) is None
+    why = ch08.why_below(1.0, floor, profile)
+    assert "40.0 GFLOP/s" in why and "20.0 GFLOP/s" in why and "3.0" in why
