@@ -558,7 +558,7 @@ def test_figures_are_numbered_captioned_and_described(source: Path) -> None:
 def test_glued_numbers_are_normal_weight() -> None:
     css = (HTML / "_static" / "book.css").read_text(encoding="utf-8")
     assert re.search(r"span\.pasted-text\s*\{\s*font-weight:\s*normal", css)
-    unlinked = [p.relative_to(HTML) for p in ALL_PAGES if "_static/book.css" not in p.read_text(encoding="utf-8")]
+    unlinked = [_id(s) for s in SOURCES if "_static/book.css" not in _page(s).read_text(encoding="utf-8")]
     assert not unlinked, f"pages without book.css: {unlinked[:5]}"
 
 
