@@ -38,6 +38,9 @@ def test_prefill_intensity_the_rule_of_thumb_and_the_engines_count(numbers):
         assert engine < kit.rule_of_thumb_intensity(cfg, n)  # the output layer once, not n times
         assert engine > max(s.ridge_point for s in gpu_specs())  # compute-bound on every card
     assert (numbers["engine_int_512"], numbers["engine_int_2048"]) == ("447", "1,818")
+    n = int(numbers["cross_all"].replace(",", ""))  # from this length on, compute-bound on every card
+    assert all(L.prefill(cfg, n).floor(s.bf16_flops, s.bandwidth).bound == "compute" for s in gpu_specs())
+    assert any(L.prefill(cfg, n - 1).floor(s.bf16_flops, s.bandwidth).bound == "memory" for s in gpu_specs())
 
 
 def test_decode_on_the_made_up_card_is_bandwidth_bound_with_the_seed_figures(numbers):

@@ -496,6 +496,27 @@ def show_token_counts(counts) -> None:
 
 # --- The estimate beside the measurements ------------------------------------------------------------------
 
+def beaten_floor_words(floor: L.Floor, measured: float, profile) -> str | None:
+    """Why ``measured`` came in under ``floor``, in numbers (None when it did not): the rate the
+    step really reached against the probed ceiling that bound it, and the load when it was probed."""
+    if measured >= floor.seconds:
+        return None
+    load = "" if profile.load_average is None else f"（画像是在 1 分钟平均负载 {profile.load_average:.1f} 时测的）"
+    if floor.bound == "compute":
+        reached, ceiling, what = floor.flops / measured / 1e9, floor.peak_flops / 1e9, "矩阵乘速率"
+        unit = "GFLOP/s"
+    else:
+        reached, ceiling, what = floor.bytes / measured / 1e9, floor.bandwidth / 1e9, "拷贝带宽"
+        unit = "GB/s"
+    return (f"这一步实际跑出 {reached:,.1f} {unit}，高于机器画像里的{what} {ceiling:,.1f} {unit}{load}："
+            "是画像把这台机器的这个上限测低了，按它算出的下界对这一步并不成立。")
+
+
+def floor_sentence(floor: L.Floor, measured: float, profile) -> str:
+    """A whole sentence on a measurement and its floor: the floor's share of it, or why it beat it."""
+    return beaten_floor_words(floor, measured, profile) or f"实测里这个下界占了 {floor.share_of(measured):.0%}。"
+
+
 def floor_points(slow, sweep, ab, budget, cfg, dtype, peak_flops, bandwidth) -> list[tuple[str, L.Floor, float]]:
     """(what, its floor, the measured time) for every timed quantity of the lab: the long prompt's
     prefill, and one decode step alone, with long contexts and in the biggest batch."""
@@ -587,7 +608,7 @@ def glue_chapter(lab, *, scene, life, sweep, ab, budget, slow, small, rejection,
     v.update(_life_values(life))
     v.update(_sweep_values(sweep, cfg, dtype, P, W))
     v.update(_ab_values(ab, budget, cfg, dtype, P, W))
-    v.update(_slow_values(sweep[1], slow, cfg, dtype, P, W))
+    v.update(_slow_values(sweep[1], slow, cfg, dtype, P, W, profile))
     v.update(_failure_values(small, rejection))
     v.update(_crowd_values(crowd, index))
     v.update(_token_values(counts))
@@ -596,8 +617,17 @@ def glue_chapter(lab, *, scene, life, sweep, ab, budget, slow, small, rejection,
     v["life_ttft_ratio"] = f"{ours.ttft / alone.ttft:.0f}"
     v["scale"] = str(8192 // sum(m.num_prompt_tokens for m in ab[budget, "A"].metrics))
     points = floor_points(slow, sweep, ab, budget, cfg, dtype, P, W)
-    for _, floor, measured in points:
-        above_floor(measured, floor)
+    beaten = []
+    for what, floor, measured in points:
+        why = beaten_floor_words(floor, measured, profile)
+        above_floor(measured, floor, why=why)
+        if why:
+            beaten.append(f"{what}：{why}")
+    v["floors_words"] = choose(
+        not beaten, "每一个计时都落在它的下界之上。",
+        f"有 {len(beaten)} 个计时比它的下界还快。" + "".join(beaten))
+    a_row = ab_rows(ab, cfg, dtype, P, W)[budget]
+    v["ab_floor_words"] = floor_sentence(a_row["a_floor"], a_row["a"], profile)
     _glue(v)
     glue("answer", answer_html(scene.outputs[0].text), display=False)
     return v
@@ -680,7 +710,7 @@ def _ab_values(ab, budget, cfg, dtype, P, W) -> dict[str, str]:
          "ab_steps_a": str(r["a_steps"]), "ab_steps_b": str(r["b_steps"]),
          "ab_attn_ratio": f"{r['a_attention'] / r['b_attention']:.1f}",
          "ab_attn_share": f"{r['a_attention'] / r['a_floor'].flops:.0%}",
-         "ab_floor": floor_words(r["a_floor"]), "ab_floor_share": f"{r['a_floor'].share_of(r['a']):.0%}",
+         "ab_floor": floor_words(r["a_floor"]), "ab_floor_times": f"{r['a'] / r['a_floor'].seconds:.1f}",
          "ab_intensity": fmt_int(r["a_floor"].intensity)}
     last = choose(
         max(r["b"]) < r["a"], f"连 B 里最晚的一段（{seconds_words(max(r['b']))}）也比 A 早。",
@@ -730,7 +760,7 @@ def _budget_values(rows: dict[int, dict], base: int) -> dict[str, str]:
     return v
 
 
-def _slow_values(alone, slow, cfg, dtype, P, W) -> dict[str, str]:
+def _slow_values(alone, slow, cfg, dtype, P, W, profile) -> dict[str, str]:
     rows = slow_rows(alone, slow, cfg, dtype, P, W)
     alone, many = rows["alone"], rows["slow"]
     claim(many["tpot"] > alone["tpot"], "带长上下文的一批请求出字比单个短请求慢",
@@ -748,15 +778,24 @@ def _slow_values(alone, slow, cfg, dtype, P, W) -> dict[str, str]:
             "alone_tpot": ms(alone["tpot"]),
             "alone_floor": floor_words(alone["floor"]), "alone_floor_ms": ms(alone["floor"].seconds),
             "alone_intensity": f"{alone['floor'].intensity:.2f}",
-            "alone_floor_share": f"{alone['floor'].share_of(alone['step']):.0%}",
+            "alone_floor_times": f"{alone['step'] / alone['floor'].seconds:.1f}",
+            "alone_overhead_words": _overhead_words(alone["floor"], alone["step"], profile),
             "slow_floor_ratio": f"{floor_ratio:.2f}", "slow_step_ratio": f"{step_ratio:.1f}",
-            "slow_floor_share": f"{many['floor'].share_of(many['step']):.0%}",
+            "slow_floor_times": f"{many['step'] / many['floor'].seconds:.1f}",
             "slow_words": choose(
                 step_ratio <= 1.5 * floor_ratio,
                 f"实测的一步慢了 {step_ratio:.1f} 倍，和账本说的 {floor_ratio:.2f} 倍相去不远：多出来的时间确实花在读 KV 上。",
                 f"实测的一步却慢了 {step_ratio:.1f} 倍，远多于账本说的 {floor_ratio:.2f} 倍：多出来的时间不在搬字节，"
                 "而在注意力的实现怎样读 KV（本机走的是 PyTorch 的参考实现，按块表把每个请求的 K、V 先拼出来再算），"
                 "这笔开销账本不数。")}
+
+
+def _overhead_words(floor: L.Floor, step: float, profile) -> str:
+    share = floor.share_of(step)
+    return choose(
+        share < 0.5, f"这些固定开销账本不数，在这么小的模型上占了大头：下界只占实测的 {share:.0%}。",
+        choose(share <= 1, f"这些固定开销账本不数；在这台机器上它们不到实测的一半，下界占了 {share:.0%}。",
+               beaten_floor_words(floor, step, profile) or ""))
 
 
 def _failure_values(small: Run, rejection: tuple) -> dict[str, str]:

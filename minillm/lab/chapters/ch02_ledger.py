@@ -110,7 +110,8 @@ def page_numbers() -> dict[str, str]:
     highest = max(gpu_specs(), key=lambda s: s.ridge_point)
     claim(all(L.prefill(cfg, n).intensity > highest.ridge_point for n in PREFILL_LENGTHS),
           "这两个长度的预填充在规格表里每一张卡上都受算力限制", ridge=highest.ridge_point)
-    v.update({"max_ridge": f"{highest.ridge_point:,.0f}", "max_ridge_card": highest.name,
+    cross_all = max(L.prefill_crossover(cfg, s.bf16_flops, s.bandwidth) for s in gpu_specs())
+    v.update({"cross_all": fmt_int(cross_all), "max_ridge": f"{highest.ridge_point:,.0f}", "max_ridge_card": highest.name,
               "hyp_tflops": f"{P / 1e12:.0f}", "hyp_ridge": f"{P / W:.0f}", "hyp_card": lowest.name,
               "kv_intensity": f"{floors[1][0].kv_intensity:.0f}", "gqa_ratio": str(cfg.gqa_ratio),
               "kv_share_48": f"{floors[48][0].kv_read_bytes / floors[48][0].bytes:.0%}"})
@@ -192,7 +193,7 @@ def show_model_ledger(cfg, dtype) -> None:
     names = {"embedding": "输入嵌入", "attention": "注意力投影", "mlp": "MLP", "norms": "RMSNorm", "lm_head": "输出层（不共享时）"}
     show_table(["项", "值"], [
         ["参数量（公式）", fmt_int(L.param_count(cfg))],
-        *[[f"　其中{names[k]}", fmt_int(n)] for k, n in parts.items()],
+        *[[f"　其中{' ' if names[k][0].isascii() else ''}{names[k]}", fmt_int(n)] for k, n in parts.items()],
         [f"权重（{dtype}）", L.fmt_bytes(L.weight_bytes(cfg, dtype))],
         ["每 token 的线性层运算 2N", f"{L.matmul_flops_per_token(cfg) / 1e9:.4f} GFLOP"],
         [f"每 token 的 KV（{dtype}）", L.fmt_bytes(L.kv_bytes_per_token(cfg, dtype))],
