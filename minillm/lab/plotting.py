@@ -67,36 +67,50 @@ def use_book_style() -> None:
     matplotlib.rcParams.update(BOOK_RC)
 
 
+def ceilings(device) -> tuple[float, float]:
+    """(P, W) of a GPU spec row (datasheet bf16 rate, bandwidth) or of a probe (measured ones)."""
+    if hasattr(device, "bf16_flops"):
+        return device.bf16_flops, device.bandwidth
+    return device.matmul_flops, device.copy_bandwidth
+
+
+SPEC_STYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)), (0, (1, 2)))
+
+
 def plot_roofline(ax, specs, probe, prefill_points=(), decode_points=(), on=None):
-    """The roofline min(P, I·W) of each GPU spec (grey) and of this device's probe (in color).
+    """The roofline min(P, I·W) of each GPU spec (grey, one line style each, named in the legend)
+    and of this device's probe (in color), in TFLOP/s against FLOP per byte.
 
     ``prefill_points`` / ``decode_points`` are (label, intensity) pairs placed on the roofline of
-    the spec ``on`` (circles for prefill, triangles for decode).
+    ``on`` (a spec or the probe): circles for prefill, labelled above; triangles for decode,
+    labelled below.
     """
     import numpy as np
 
     from minillm.lab.estimate import attainable_flops
 
     intensity = np.logspace(-1, 4.5, 200)
-    for spec in specs:
-        ax.plot(intensity, [attainable_flops(i, spec.bf16_flops, spec.bandwidth) / 1e12 for i in intensity],
-                lw=1, alpha=0.45, color="#777777")
-        ax.annotate(spec.name, (intensity[-1], spec.bf16_dense_tflops), fontsize=7, color="#555555",
-                    xytext=(2, 0), textcoords="offset points", va="center")
-    ax.plot(intensity, [attainable_flops(i, probe.matmul_flops, probe.copy_bandwidth) / 1e12 for i in intensity],
-            color=ROLE_COLORS["measured"], lw=2.2, label=f"本机实测（{probe.device}）")
+    for spec, style in zip(specs, SPEC_STYLES):
+        peak, bandwidth = ceilings(spec)
+        ax.plot(intensity, [attainable_flops(i, peak, bandwidth) / 1e12 for i in intensity],
+                lw=1.2, color="#777777", linestyle=style, label=f"{spec.name}（规格，脊点 {spec.ridge_point:,.0f}）")
+    peak, bandwidth = ceilings(probe)
+    ax.plot(intensity, [attainable_flops(i, peak, bandwidth) / 1e12 for i in intensity],
+            color=ROLE_COLORS["measured"], lw=2.2, label=f"本机实测（{probe.device}，脊点 {peak / bandwidth:,.1f}）")
     if on is not None:
-        for points, marker, color, dy in ((prefill_points, "o", ROLE_COLORS["estimate"], 6),
-                                          (decode_points, "^", ROLE_COLORS["recorded"], -12)):
+        peak, bandwidth = ceilings(on)
+        for points, marker, color, dy in ((prefill_points, "o", ROLE_COLORS["estimate"], 7),
+                                          (decode_points, "^", ROLE_COLORS["recorded"], -15)):
             for label, i in points:
-                rate = attainable_flops(i, on.bf16_flops, on.bandwidth) / 1e12
-                ax.plot(i, rate, marker, color=color)
-                ax.annotate(label, (i, rate), xytext=(0, dy), textcoords="offset points", fontsize=7, ha="center")
+                rate = attainable_flops(i, peak, bandwidth) / 1e12
+                ax.plot(i, rate, marker, color=color, markersize=6)
+                ax.annotate(label, (i, rate), xytext=(0, dy), textcoords="offset points", fontsize=9,
+                            ha="center")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("算术强度（FLOP/字节）")
     ax.set_ylabel("可达速率（TFLOP/s）")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left", fontsize=9)
 
 
 MEMORY_SEGMENTS = (("权重", "weight_bytes", "#0072B2"), ("激活峰值", "activation_peak_bytes", "#D55E00"),

@@ -2,9 +2,11 @@
 
 The pinned PyPI package ``mistral-common`` ships tokenizers as data files. Two of them are used
 here: Mistral-7B's SentencePiece model (``tokenizer.model.v1``, a 32,000-token vocabulary) and
-Mistral NeMo's Tekken (``tekken_240718.json``, a byte-level BPE of 131,072 tokens). The text is
-the book's own, in ``data/texts/``: an excerpt of a service contract and a question about it, in
-Chinese and in English, saying the same thing. Nothing here reaches the network.
+Mistral NeMo's Tekken (``tekken_240718.json``, a byte-level BPE of 131,072 tokens); any
+transformers tokenizer (the real SmolLM2's, read from its GGUF) joins them through
+:func:`from_transformers`. The text is the book's own, in ``data/texts/``: an excerpt of a service
+contract, a question about it and the opening question of chapter 1, in Chinese and in English,
+saying the same thing. Nothing here reaches the network.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ TEXTS = {  # file stem -> (what it is, language)
     "contract_en": ("合同节选", "英文"),
     "question_zh": ("提问", "中文"),
     "question_en": ("提问", "英文"),
+    "scene_zh": ("开场的提问", "中文"),
+    "scene_en": ("开场的提问", "英文"),
 }
 
 
@@ -48,6 +52,13 @@ def tokenizers() -> tuple[Tokenizer, ...]:
     return tuple(out)
 
 
+def from_transformers(model: str, kind: str, tokenizer, file: str) -> Tokenizer:
+    """A transformers tokenizer (``load_model(...).tokenizer``) as a :class:`Tokenizer`; text is
+    encoded without special tokens, as the Mistral ones are."""
+    return Tokenizer(model, kind, len(tokenizer), file,
+                     functools.partial(tokenizer.encode, add_special_tokens=False))
+
+
 def sample_text(name: str) -> str:
     """The text of ``data/texts/<name>.txt`` (one of :data:`TEXTS`), without its final newline."""
     if name not in TEXTS:
@@ -73,10 +84,11 @@ class TokenCount:
         return self.chars / self.tokens
 
 
-def count_tokens(names=tuple(TEXTS)) -> list[TokenCount]:
-    """Every text of ``names`` through every tokenizer."""
+def count_tokens(names=tuple(TEXTS), using=None) -> list[TokenCount]:
+    """Every text of ``names`` through every tokenizer of ``using`` (default :func:`tokenizers`)."""
+    using = tokenizers() if using is None else using
     return [TokenCount(name, tok, len(sample_text(name)), len(tok.encode(sample_text(name))))
-            for name in names for tok in tokenizers()]
+            for name in names for tok in using]
 
 
 def count(counts: list[TokenCount], text: str, kind: str) -> TokenCount:
