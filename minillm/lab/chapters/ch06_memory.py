@@ -55,8 +55,11 @@ def plan_rows(plan: MemoryPlan, contexts=GPU_CONTEXTS) -> list[list[str]]:
         return f"{fmt_int(n)} 字节（{fmt_bytes(n)}）"
 
     card = plan.device if plan.profiled else f"{fmt_bytes(plan.total_bytes)} 的卡（不碰硬件）"
+    weights = "不量化（同数据类型）" if plan.quantization == "none" else plan.quantization.replace(
+        "groups of", "每组")
+    kv = "同数据类型（auto）" if plan.kv_cache_dtype == "auto" else plan.kv_cache_dtype
     rows = [["模型", plan.model], ["卡", card], ["数据类型", plan.dtype],
-            ["来源", SOURCE_WORDS[plan.source]], ["整张卡", size(plan.total_bytes)],
+            ["权重格式", weights], ["KV cache 数据类型", kv], ["来源", SOURCE_WORDS[plan.source]], ["整张卡", size(plan.total_bytes)],
             [f"预算（× {plan.utilization}）", size(plan.budget_bytes)], ["权重", size(plan.weight_bytes)],
             [f"激活峰值（一步 {fmt_int(plan.max_num_batched_tokens)} 个 token）", size(plan.activation_peak_bytes)],
             ["PyTorch 之外的开销", size(plan.other_bytes)], ["KV 的预算", size(plan.kv_budget_bytes)],
