@@ -442,7 +442,7 @@ NOT_YET = {
     "book/ch04-decode.md", "notebooks/ch04-decode.ipynb",
     "book/ch05-kvcache.md", "notebooks/ch05-kvcache.ipynb",
     "book/ch09-serving.md", "notebooks/ch09-serving.ipynb",
-    "book/ch10-diagnose.md", "notebooks/ch10-diagnose.ipynb",
+    "book/ch11-diagnose.md", "notebooks/ch11-diagnose.ipynb",
 }
 ENGLISH_UI = ("Show code cell", "Hide code cell", "Skip to main content", "Back to top",
               "Contents", "Print to PDF", "Fullscreen mode", "Download this page", "Search",

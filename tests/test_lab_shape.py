@@ -23,7 +23,7 @@ NOT_YET = {
     "ch04-decode",
     "ch05-kvcache",
     "ch09-serving",
-    "ch10-diagnose",
+    "ch11-diagnose",
 }
 
 
