@@ -402,3 +402,23 @@ def test_a_padded_decode_graph_cuts_long_contexts_as_the_eager_step(monkeypatch)
         graph = llm.runner.decode_graphs.run(input_ids, positions, attn)
     assert llm.runner.decode_graphs.graphs[8].attn.block_tables.shape == (8, 400)  # the whole pool
     torch.testing.assert_close(graph, eager, rtol=0, atol=1e-12)
+
+
+def test_min_tokens_runs_greedy_past_the_eos_it_would_stop_at():
+    """The first token the model would stop at becomes its EOS: without min_tokens the answer
+    ends there; with it the EOS is masked until min_tokens are out, as in the reference generator."""
+    prompt = FAMILIES[2][:12]
+    free = LLM(tiny_model(), block_size=4, num_kv_blocks=32).generate(
+        [prompt], greedy(12), use_tqdm=False)[0].token_ids
+    stop_at = next(i for i, t in enumerate(free) if i >= 1 and t not in free[:i])
+    eos_model = load_model(CONFIG.replace(eos_token_ids=(free[stop_at],)), device="cpu",
+                           dtype=torch.float64, weights="random")
+    llm = LLM(eos_model, block_size=4, num_kv_blocks=32)
+    stopped, long = llm.generate([prompt, prompt], [greedy(12, ignore_eos=False),
+                                 SamplingParams(temperature=0.0, max_tokens=12, min_tokens=8)],
+                                 use_tqdm=False)
+    assert stopped.token_ids == free[:stop_at + 1] and stopped.finish_reason == "stop"
+    assert len(long.token_ids) >= 8 and free[stop_at] not in long.token_ids[:8]
+    assert long.token_ids[:stop_at] == free[:stop_at]
+    assert long.token_ids == minillm.generate(eos_model, [prompt], SamplingParams(
+        temperature=0.0, max_tokens=12, min_tokens=8))[0]

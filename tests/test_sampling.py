@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from minillm.engine.sampling import SamplingParams, make_generator, sample
+from minillm.engine.sampling import SamplingParams, make_generator, mask_early_stops, sample
 
 
 @pytest.mark.parametrize("field, value", [
@@ -10,6 +10,7 @@ from minillm.engine.sampling import SamplingParams, make_generator, sample
     ("temperature", "1"), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("top_k", 2.5),
     ("max_tokens", 0), ("max_tokens", 3.0), ("max_tokens", True), ("seed", 1.5),
     ("stop_token_ids", (1, -2)), ("stop_token_ids", ("a",)), ("ignore_eos", 1),
+    ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 2.0),
 ])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -21,6 +22,16 @@ def test_defaults_and_normalized_stop_ids():
     assert params.stop_token_ids == (5, 7)
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (1.0, 1.0, 0, 16)
     assert SamplingParams(temperature=0).greedy and not params.greedy
+
+
+def test_stop_tokens_are_masked_until_min_tokens():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 1.0]] * 3)
+    params = [SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(2,)),  # 1 output: masked
+              SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(2,)),  # 2 outputs: free
+              SamplingParams(temperature=0, min_tokens=4, ignore_eos=True, stop_token_ids=(9,))]
+    logits = mask_early_stops(logits, params, [1, 2, 0], eos_token_ids=(1,))
+    assert sample(logits, params, [None] * 3).tolist() == [3, 1, 1]  # EOS 1 and stop 2 masked in row 0
+    assert logits[0, 1] == logits[0, 2] == -torch.inf and logits[2, 1] == 5.0
 
 
 def _draws(logits, params, n, seed=0):

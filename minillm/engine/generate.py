@@ -13,7 +13,7 @@ import torch
 from minillm.engine.contiguous_cache import ContiguousKVCache
 from minillm.engine.kv_cache import KVCache
 from minillm.engine.model import Transformer
-from minillm.engine.sampling import SamplingParams, make_generator, sample
+from minillm.engine.sampling import SamplingParams, make_generator, mask_early_stops, sample
 
 
 def generate(model: Transformer, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -42,8 +42,10 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
             fresh = ContiguousKVCache(model.config, len(running), max(map(len, sequences)),
                                       model.dtype, model.device)
             logits = _last_logits(model, fresh, list(range(len(running))), sequences)
-        tokens = sample(logits, [params_list[r] for r in running],
-                        [generators[r] for r in running]).tolist()
+        params = [params_list[r] for r in running]
+        logits = mask_early_stops(logits, params, [len(outputs[r]) for r in running],
+                                  model.config.eos_token_ids)
+        tokens = sample(logits, params, [generators[r] for r in running]).tolist()
         still_running = []
         for row, token in zip(running, tokens):
             outputs[row].append(token)

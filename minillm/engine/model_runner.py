@@ -3,7 +3,8 @@
 :class:`ModelRunner` takes the scheduler's decisions for a step, moves swapped blocks, asks the KV
 cache for the step's input ids, positions and attention metadata (one host-to-device copy), runs
 the flat batch through the model (a decode step replays a CUDA graph) and samples the next token of
-every request whose tokens are now all computed: one device-to-host copy.
+every request whose tokens are now all computed (its stop tokens masked while it is short of
+``min_tokens``): one device-to-host copy.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from minillm.engine.kernels import warmup
 from minillm.engine.model import Transformer
 from minillm.engine.paged_cache import PagedKVCache
 from minillm.engine.quantization import warmup_quantized
-from minillm.engine.sampling import make_generator, sample
+from minillm.engine.sampling import make_generator, mask_early_stops, sample
 from minillm.engine.scheduler import SchedulerOutput
 
 
@@ -69,7 +70,11 @@ class ModelRunner:
         if len(last_rows) < len(hidden):  # only the rows whose next token is due
             hidden = hidden[torch.tensor(last_rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
+        params = [r.params for r in sampled_requests]
+        if any(len(r.output_token_ids) < r.params.min_tokens for r in sampled_requests):
+            logits = mask_early_stops(logits, params, [len(r.output_token_ids) for r in sampled_requests],
+                                      self.model.config.eos_token_ids)
         generators = ([self.generators.get(r.request_id) for r in sampled_requests] if self.generators
                       else [None] * len(sampled_requests))
-        tokens = sample(logits, [r.params for r in sampled_requests], generators)
+        tokens = sample(logits, params, generators)
         return {r.request_id: t for r, t in zip(sampled_requests, tokens.tolist(), strict=True)}

@@ -1,6 +1,8 @@
 """Choosing the next token from the logits (chapter 解码).
 
-Temperature 0 is greedy (argmax). Otherwise the logits are divided by the temperature, cut to the
+Temperature 0 is greedy (argmax). While a request has fewer than ``min_tokens`` outputs, its stop
+tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) are masked out of the logits first, so
+neither greedy nor a draw can end it early (vLLM's rule). Otherwise the logits are divided by the temperature, cut to the
 ``top_k`` best tokens and to the smallest set whose probability reaches ``top_p``, and one token is
 drawn. Each request may carry its own seeded ``torch.Generator``, so its draws do not depend on
 which other requests share the batch.
@@ -25,6 +27,7 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # keep the k most likely tokens; 0 = all
     max_tokens: int = 16  # generated tokens at most
+    min_tokens: int = 0  # generated tokens before EOS, stop tokens or stop strings may end it
     ignore_eos: bool = False  # keep going past the model's end-of-sequence tokens
     stop_token_ids: tuple[int, ...] = ()  # extra tokens that end the request (and are returned)
     seed: int | None = None  # per-request random seed; None = the global generator
@@ -40,6 +43,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 (0 = no limit), got {self.top_k!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.seed is not None and not _is_int(self.seed):
@@ -58,6 +64,24 @@ class SamplingParams:
 def make_generator(seed: int | None, device) -> torch.Generator | None:
     """A generator seeded for one request, or None to use torch's global one."""
     return None if seed is None else torch.Generator(device=device).manual_seed(seed)
+
+
+def mask_early_stops(logits: torch.Tensor, params_list: list[SamplingParams],
+                     num_output_tokens: list[int], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """The logits with -inf for the stop tokens of every row whose request has fewer than ``min_tokens``
+    outputs (EOS unless ``ignore_eos``, and ``stop_token_ids``; ids past the vocabulary skipped)."""
+    rows, cols = [], []
+    for row, (params, done) in enumerate(zip(params_list, num_output_tokens, strict=True)):
+        if done < params.min_tokens:
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+            ids = [t for t in stops if t < logits.shape[-1]]
+            rows += [row] * len(ids)
+            cols += ids
+    if not rows:
+        return logits
+    return logits.index_put((torch.tensor(rows, device=logits.device),
+                             torch.tensor(cols, device=logits.device)),
+                            torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
 
 
 def sample(logits: torch.Tensor, params_list: list[SamplingParams],
