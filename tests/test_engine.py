@@ -74,16 +74,21 @@ def run_and_check(llm, prompts, params):
         assert out.token_ids == reference(prompt, p)
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_kv_blocks"]
-    check_counters(stats)
+    check_counters(stats, outputs)
     return outputs, stats
 
 
-def check_counters(stats):
-    """Every run total equals the sum of the steps' decisions it was made from."""
+def check_counters(stats, outputs):
+    """Every run total equals the sum of the steps' decisions it was made from; prompt tokens are
+    counted once per request (vLLM's meaning), however often preemption recomputed them."""
     steps = stats["steps"]
+    assert stats["num_steps"] == len(steps)
     assert stats["num_preemptions"] == sum(len(s["preempted"]) for s in steps)
     assert stats["prefix_hit_tokens"] == sum(s["num_cached_tokens"] for s in steps)
-    assert stats["prompt_tokens"] == sum(s["num_prefill_tokens"] for s in steps)
+    assert stats["num_prefill_tokens"] == sum(s["num_prefill_tokens"] for s in steps)
+    assert stats["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in outputs if o.token_ids)
+    assert stats["generation_tokens"] == sum(len(o.token_ids) for o in outputs)
+    assert sum(stats[f"num_finished_{r}"] for r in ("stop", "length", "abort")) == len(outputs)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -205,7 +210,7 @@ def test_greedy_outputs_do_not_depend_on_the_schedule(data, block_size, budget, 
     stats = engine.stats()
     assert stats["num_free_blocks"] == stats["num_kv_blocks"] == num_blocks
     assert stats["num_running"] == stats["num_waiting"] == 0
-    check_counters(stats)
+    check_counters(stats, list(final.values()))
 
 
 def test_streaming_and_timestamps():
@@ -422,3 +427,23 @@ def test_min_tokens_runs_greedy_past_the_eos_it_would_stop_at():
     assert long.token_ids[:stop_at] == free[:stop_at]
     assert long.token_ids == minillm.generate(eos_model, [prompt], SamplingParams(
         temperature=0.0, max_tokens=12, min_tokens=8))[0]
+
+
+def test_the_snapshot_counts_from_the_start_and_a_run_is_a_window_on_it():
+    """Two runs: the snapshot's totals hold both, stats() only the second, and reading either
+    resets nothing; with log_limit the step log keeps only the latest steps."""
+    prompts, params = mixed_workload(count=4, seed=8)
+    llm = LLM(tiny_model(), block_size=4, num_kv_blocks=64, log_limit=3)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    after_first = llm.snapshot()
+    second = llm.generate(prompts[:2], params[:2], use_tqdm=False)
+    total, run = llm.snapshot(), llm.stats()
+    assert llm.snapshot() == total  # reading changes nothing
+    for name in ("num_steps", "prompt_tokens", "generation_tokens", "num_prefill_tokens",
+                 "prefix_hit_tokens", "num_finished_length"):
+        assert total[name] == after_first[name] + run[name], name
+    assert run["generation_tokens"] == sum(len(o.token_ids) for o in second)
+    assert total["generation_tokens"] == sum(len(o.token_ids) for o in first + second)
+    assert total["num_running"] == total["num_waiting"] == 0 and total["kv_usage"] == 0
+    assert len(run["steps"]) == min(3, run["num_steps"])
+    assert run["steps"][-1]["step"] == run["num_steps"] - 1

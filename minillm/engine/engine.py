@@ -36,10 +36,12 @@ class LLMEngine:
     ``device``, ``dtype``, ``weights``). The other keyword arguments are ``EngineConfig``'s, checked
     before anything is loaded. ``num_kv_blocks=None``: ``minillm.engine.planner.plan`` sizes the
     pool (on the CPU it needs ``memory_limit``). ``max_model_len=None``: the plan's, else as long as
-    the model's positions and the pool allow.
+    the model's positions and the pool allow. ``log_limit``: the most recent steps and finished
+    requests the recorder keeps (None: all; a server keeps a bounded tail).
     """
 
-    def __init__(self, model, device=None, dtype=None, weights: str = "auto", **engine_args):
+    def __init__(self, model, device=None, dtype=None, weights: str = "auto",
+                 log_limit: int | None = None, **engine_args):
         config = EngineConfig(**engine_args)
         _check_device(config, device)
         self.model = _load(model, device, dtype, weights, config)
@@ -60,7 +62,7 @@ class LLMEngine:
         self.scheduler = SCHEDULERS[self.config.scheduling](
             self.kv_cache.manager, self.config, model_config.eos_token_ids)
         self.runner = ModelRunner(self.model, self.kv_cache, self.config)
-        self.recorder = Recorder()
+        self.recorder = Recorder(log_limit)
         self._t0 = time.perf_counter()
         self._next_id = 0
         self._aborted: list[RequestOutput] = []  # reported by the next step()
@@ -170,24 +172,32 @@ class LLMEngine:
 
     # -- what happened -----------------------------------------------------------------------------
     def reset_metrics(self) -> None:
-        """Start a new run of :meth:`stats` (the pool and the prefix cache stay as they are)."""
+        """Start a new run of :meth:`stats` (the pool, the prefix cache and :meth:`snapshot`'s
+        counters stay as they are)."""
         self.recorder.reset()
 
-    def stats(self) -> dict:
-        """Pool counters now, plus this run's counters and per-step log."""
+    def snapshot(self) -> dict:
+        """How the engine stands now (requests running and waiting, the KV pool) and its counters
+        since it was built (``minillm.engine.recorder.COUNTERS``). Reading it changes nothing: the
+        server's ``/metrics`` and the run record read the same numbers."""
         kv = self.kv_cache.manager
         return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
             "num_kv_blocks": kv.num_blocks,
             "block_size": kv.block_size,
             "num_free_blocks": kv.num_free_blocks,
             "num_cached_blocks": kv.num_cached_blocks,
             "num_used_blocks": kv.num_used_blocks,
-            "kv_utilization": kv.utilization(),
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            **self.recorder.counters(),
-            "steps": self.recorder.steps,
+            "kv_usage": kv.num_used_blocks / kv.num_blocks,  # share of the blocks held
+            "kv_utilization": kv.utilization(),  # live tokens / slots of the held blocks
+            **self.recorder.totals,
         }
+
+    def stats(self) -> dict:
+        """:meth:`snapshot` with this run's counters (since :meth:`reset_metrics`) in place of the
+        totals, and the run's step log."""
+        return {**self.snapshot(), **self.recorder.counters(), "steps": list(self.recorder.steps)}
 
 
 def _resolve(config: EngineConfig, model: Transformer) -> EngineConfig:

@@ -2,35 +2,47 @@
 
 The scheduler reports each step's decisions in its ``SchedulerOutput``; :class:`Recorder` turns
 them, with the step's start and end on the engine's clock, into the step log, stamps the
-timestamps on each request's ``RequestMetrics`` and keeps the run's totals. Requests keep their
-own counts (``num_cached_tokens``, ``num_preemptions``); the KV manager keeps only the pool's
-state. The lab kit's records module writes all of it out as the run record.
+timestamps on each request's ``RequestMetrics`` and counts (vLLM's meanings): preemptions, prompt
+tokens (each request's prompt once, at its first token, prefix hits included), prefill tokens
+computed (recomputation included), generated tokens, prefix-cache queries and hits, steps and
+finished requests by reason. The counters run from the engine's start and are never reset
+(``totals``: what ``LLMEngine.snapshot`` and the server's ``/metrics`` read); a run is a window on
+them (:meth:`reset` marks where it starts, :meth:`counters` is the difference). Requests keep
+their own counts (``num_cached_tokens``, ``num_preemptions``); the KV manager keeps only the
+pool's state. The lab kit's records module writes all of it out as the run record.
 """
 from __future__ import annotations
+
+from collections import deque
 
 from minillm.engine.request import Request
 from minillm.engine.scheduler import SchedulerOutput
 
+FINISH_REASONS = ("stop", "length", "abort")
+COUNTERS = ("num_steps", "num_preemptions", "prefix_query_tokens", "prefix_hit_tokens",
+            "prompt_tokens", "num_prefill_tokens", "generation_tokens",
+            *(f"num_finished_{reason}" for reason in FINISH_REASONS))
+
 
 class Recorder:
-    """The step log, the finished requests and the run's counters (vLLM's counter names)."""
+    """The step log, the finished requests and the counters. ``log_limit``: steps and finished
+    requests kept (the most recent; None: all), so that a server running for weeks stays small."""
 
-    def __init__(self):
+    def __init__(self, log_limit: int | None = None):
+        self.log_limit = log_limit
+        self.totals = dict.fromkeys(COUNTERS, 0)  # since the engine was built
         self.reset()
 
     def reset(self) -> None:
-        """Start a new run: empty log, counters at zero."""
-        self.steps: list[dict] = []
-        self.finished: list[Request] = []
-        self.num_preemptions = 0
-        self.prefix_cache_queries = 0  # prompt tokens looked up at admission
-        self.prefix_cache_hits = 0  # of which served by the prefix cache
-        self.prompt_tokens = 0  # prompt (and recomputed) tokens computed
-        self.generation_tokens = 0  # tokens sampled
+        """Start a new run: empty log; the run's counters start from the totals as they are now."""
+        self.steps: deque[dict] = deque(maxlen=self.log_limit)
+        self.finished: deque[Request] = deque(maxlen=self.log_limit)
+        self._run_start = dict(self.totals)
 
     def record_step(self, output: SchedulerOutput, sampled: dict[str, int], start: float, end: float,
                     num_free_blocks_before: int, num_free_blocks: int) -> None:
         """One step: stamp its requests, count its decisions and log it."""
+        totals = self.totals
         for request, _ in output.scheduled:
             metrics = request.metrics
             if metrics.first_scheduled_time is None:
@@ -38,14 +50,16 @@ class Recorder:
             if request.request_id in sampled:
                 if metrics.first_token_time is None:
                     metrics.first_token_time = end
+                    totals["prompt_tokens"] += request.num_prompt_tokens
                 metrics.token_times.append(end)
-        self.num_preemptions += len(output.preempted)
-        self.prefix_cache_queries += output.num_prefix_queries
-        self.prefix_cache_hits += output.num_cached_tokens
-        self.prompt_tokens += output.num_prefill_tokens
-        self.generation_tokens += len(sampled)
+        totals["num_steps"] += 1
+        totals["num_preemptions"] += len(output.preempted)
+        totals["prefix_query_tokens"] += output.num_prefix_queries
+        totals["prefix_hit_tokens"] += output.num_cached_tokens
+        totals["num_prefill_tokens"] += output.num_prefill_tokens
+        totals["generation_tokens"] += len(sampled)
         self.steps.append({
-            "step": len(self.steps), "start": start, "end": end,
+            "step": totals["num_steps"] - self._run_start["num_steps"] - 1, "start": start, "end": end,
             "scheduled": [[r.request_id, n] for r, n in output.scheduled],
             "batch_size": len(output.scheduled),
             "num_prefill_tokens": output.num_prefill_tokens,
@@ -64,10 +78,9 @@ class Recorder:
     def record_finish(self, request: Request, when: float) -> None:
         """A request finished (or was aborted) at ``when``."""
         request.metrics.finish_time = when
+        self.totals[f"num_finished_{request.finish_reason}"] += 1
         self.finished.append(request)
 
     def counters(self) -> dict:
-        return {"num_preemptions": self.num_preemptions,
-                "prefix_query_tokens": self.prefix_cache_queries,
-                "prefix_hit_tokens": self.prefix_cache_hits,
-                "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens}
+        """This run's counters: the totals since :meth:`reset`."""
+        return {name: self.totals[name] - self._run_start[name] for name in COUNTERS}

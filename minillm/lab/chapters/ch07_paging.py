@@ -41,7 +41,7 @@ def turn_record(prompt: list[int], output, stats: dict) -> dict:
     return {"prompt": list(prompt), "answer": list(output.token_ids), "text": output.text,
             "finish": output.finish_reason, "cached": output.num_cached_tokens,
             "run_hits": stats["prefix_hit_tokens"], "run_queries": stats["prefix_query_tokens"],
-            "prefill": stats["prompt_tokens"], "ttft": output.metrics.ttft}
+            "prefill": stats["num_prefill_tokens"], "ttft": output.metrics.ttft}
 
 
 def common_prefix(a, b) -> int:
