@@ -76,7 +76,7 @@ def client_record(ttft: float, e2e: float, errors: int = 0, preemptions: int = 0
             "workload": {"name": "burst"}, "duration_s": duration,
             "requests": [vars(r) for r in requests],
             "server_metrics": server_metrics if metrics else None,
-            "summary": loadgen.summarize(requests, duration)}
+            "summary": loadgen.summarize_clients(requests, duration)}
 
 
 def test_the_client_record_round_trips_and_bad_ones_are_named(tmp_path):

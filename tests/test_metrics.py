@@ -71,3 +71,22 @@ def test_summarize_counts_throughput_and_distributions():
     assert "goodput" not in summarize(requests)
     with pytest.raises(ValueError, match="no finished request"):
         summarize([RequestMetrics(0.0)])
+
+
+def test_engine_and_client_requests_summarize_alike():
+    """One summarize for both sides: the same keys, the same TPOT and worst gap for the same token
+    times; only what a client cannot see (queueing) is missing, and only completed clients count
+    in the latencies."""
+    from minillm.lab.loadgen import ClientRequest
+
+    engine = [finished(0.0, 0.5, [1.0, 1.5, 3.0], prompt=8), finished(0.0, 0.0, [2.0, 2.5], prompt=4)]
+    clients = [ClientRequest(i, 0.0, m.num_prompt_tokens, m.num_output_tokens, m.ttft, m.tpot, m.e2e,
+                             "length", max_itl=m.max_itl) for i, m in enumerate(engine)]
+    hung_up = ClientRequest(2, 0.0, 4, 1, 9.0, None, 9.0, None, hung_up=True)
+    ours, theirs = summarize(engine), summarize(clients + [hung_up], duration=3.0)
+    assert set(ours) == set(theirs)
+    assert engine[0].tpot == 1.0 and engine[0].max_itl == 1.5
+    for name in ("ttft", "tpot", "max_itl", "e2e"):
+        assert ours[name] == theirs[name], name
+    assert theirs["queueing"] is None and ours["queueing"]["mean"] == 0.25
+    assert (theirs["num_requests"], theirs["num_completed"], theirs["output_tokens"]) == (3, 2, 6)

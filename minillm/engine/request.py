@@ -20,6 +20,21 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+def time_per_output_token(first_token_time: float, last_token_time: float,
+                          num_output_tokens: int) -> float | None:
+    """TPOT, vLLM's definition: the time from the first token to the last over the tokens after the
+    first; None below two tokens. The engine's ``RequestMetrics`` and the load generator's clients
+    both use it."""
+    if num_output_tokens < 2:
+        return None
+    return (last_token_time - first_token_time) / (num_output_tokens - 1)
+
+
+def inter_token_latencies(token_times: list[float]) -> list[float]:
+    """The gaps between consecutive tokens (vLLM's inter-token latency, one per gap)."""
+    return [later - earlier for earlier, later in zip(token_times, token_times[1:])]
+
+
 @dataclass
 class RequestMetrics:
     """Timestamps of one request's life (seconds on the engine's clock); the engine fills them in."""
@@ -48,10 +63,19 @@ class RequestMetrics:
 
     @property
     def tpot(self) -> float | None:
-        """Time per output token after the first: (last - first token time) / (tokens - 1)."""
-        if len(self.token_times) < 2:
-            return None
-        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+        """Time per output token after the first (:func:`time_per_output_token`)."""
+        times = self.token_times
+        return time_per_output_token(times[0], times[-1], len(times)) if times else None
+
+    @property
+    def max_itl(self) -> float | None:
+        """The longest gap between two tokens: the stall a reader sees."""
+        return max(inter_token_latencies(self.token_times), default=None)
+
+    @property
+    def completed(self) -> bool:
+        """Finished, for whatever reason: an aborted request's latencies happened too."""
+        return self.finish_time is not None
 
     @property
     def e2e(self) -> float | None:
@@ -60,7 +84,7 @@ class RequestMetrics:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "queueing": self.queueing, "ttft": self.ttft, "tpot": self.tpot,
-                "e2e": self.e2e, "num_output_tokens": self.num_output_tokens}
+                "max_itl": self.max_itl, "e2e": self.e2e, "num_output_tokens": self.num_output_tokens}
 
 
 @dataclass

@@ -468,8 +468,8 @@ _CANNOT_TELL = (
 def diagnose_client(record) -> ClientDiagnosis:
     """Diagnose a load generator run: ``record`` is ``loadgen.run_load``'s result or its JSON."""
     record = load_client_run(record)
-    summary = loadgen.summarize([loadgen.ClientRequest(**r) for r in record["requests"]],
-                                record["duration_s"])
+    summary = loadgen.summarize_clients([loadgen.ClientRequest(**r) for r in record["requests"]],
+                                        record["duration_s"])
     view = _server_view(record)
     ttft, e2e = summary["ttft"], summary["e2e"]
     latency = Latency(

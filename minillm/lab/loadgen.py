@@ -33,7 +33,8 @@ from datetime import datetime, timezone
 from minillm.engine.llm import progress_bar
 from minillm.engine.units import fmt_or_dash, fmt_seconds
 from minillm.lab import records
-from minillm.lab.metrics import distribution
+from minillm.engine.request import inter_token_latencies, time_per_output_token
+from minillm.lab.metrics import summarize
 from minillm.lab.workload import Workload, chat_workload, contract_workload, make_workload
 
 WORKLOADS = ("twenty-colleagues", "poisson", "burst")
@@ -85,6 +86,16 @@ class ClientRequest:
     error: dict | None = None  # {"status": HTTP status or None, "message": ...}
     hung_up: bool = False  # the client closed the stream on purpose (``hangup_share``)
     max_itl: float | None = None  # the longest wait between two tokens: a stall the reader sees
+
+    @property
+    def completed(self) -> bool:
+        """Answered to the end: no error, not hung up, finished by "stop" or "length"."""
+        return self.error is None and not self.hung_up and self.finish_reason in ("stop", "length")
+
+    @property
+    def queueing(self) -> None:
+        """A client cannot see the server's queue (its histogram says it: ``server_mean``)."""
+        return None
 
 
 # --- one run --------------------------------------------------------------------------------------
@@ -156,7 +167,7 @@ async def run_load_async(url: str, workload: Workload, *, model: str | None = No
         "duration_s": duration,
         "requests": [asdict(r) for r in results],
         "server_metrics": server_metrics,
-        "summary": summarize(results, duration),
+        "summary": summarize_clients(results, duration),
     }
 
 
@@ -246,9 +257,8 @@ async def _send(client, url: str, body: dict, index: int, send_at: float, t0: fl
         result.num_prompt_tokens = usage["prompt_tokens"]
     if token_times:
         result.ttft = token_times[0] - sent
-        if result.num_output_tokens > 1:
-            result.tpot = (token_times[-1] - token_times[0]) / (result.num_output_tokens - 1)
-            result.max_itl = max((b - a for a, b in zip(token_times, token_times[1:])), default=None)
+        result.tpot = time_per_output_token(token_times[0], token_times[-1], result.num_output_tokens)
+        result.max_itl = max(inter_token_latencies(token_times), default=None)
     bar.update(1)
     return result
 
@@ -319,25 +329,16 @@ def server_mean(record: dict, histogram: str) -> float | None:
     return delta[f"{histogram}_sum"] / count if count else None
 
 
-def summarize(requests: list[ClientRequest], duration: float) -> dict:
-    """Counts, throughput and the latency distributions of the requests that completed."""
-    completed = [r for r in requests if r.error is None and not r.hung_up
-                 and r.finish_reason in ("stop", "length")]
-    output_tokens = sum(r.num_output_tokens for r in requests)
+def summarize_clients(requests: list[ClientRequest], duration: float) -> dict:
+    """``minillm.lab.metrics.summarize`` of what the clients saw, with what only a client sees:
+    errors by HTTP status, requests the server aborted, clients that hung up."""
     return {
-        "num_requests": len(requests),
-        "num_completed": len(completed),
+        **summarize(requests, duration=duration),
         "num_errors": sum(r.error is not None for r in requests),
         "num_aborted": sum(r.finish_reason == "abort" and not r.hung_up and r.error is None
                            for r in requests),
         "num_hung_up": sum(r.hung_up for r in requests),
         "errors_by_status": dict(Counter(str(r.error["status"]) for r in requests if r.error)),
-        "duration_s": duration,
-        "output_tokens": output_tokens,
-        "output_throughput": output_tokens / duration if duration > 0 else None,
-        "request_throughput": len(completed) / duration if duration > 0 else None,
-        **{name: distribution([getattr(r, name) for r in completed if getattr(r, name) is not None])
-           for name in ("ttft", "tpot", "max_itl", "e2e")},
     }
 
 

@@ -1,9 +1,11 @@
 """What a user feels and what the operator pays for (chapters 一次请求的一生 and 调度).
 
-Per request: TTFT (arrival -> first token), TPOT (mean gap between later tokens), end-to-end time
-and queueing time (arrival -> first scheduled). Per run: percentiles of those, throughput in output
-and in total tokens per second, and goodput: requests per second that met a latency SLO.
-All times are seconds on one clock (the engine's); the timestamps are ``RequestMetrics``.
+Per request: TTFT (arrival -> first token), TPOT (mean gap between later tokens), the longest gap
+between two tokens, end-to-end time and queueing time (arrival -> first scheduled). Per run:
+percentiles of those, throughput in output and in total tokens per second, and goodput: requests
+per second that met a latency SLO. All times are seconds on one clock: the engine's for its
+``RequestMetrics``, the client's for the load generator's ``ClientRequest``; :func:`summarize`
+reads either kind.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from minillm.engine.request import RequestMetrics
 
 PERCENTILES = (50, 90, 99)
+LATENCIES = ("ttft", "tpot", "max_itl", "e2e", "queueing")  # per request; None where not seen
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ def distribution(values: list[float]) -> dict[str, float] | None:
             **{f"p{q}": percentile(values, q) for q in PERCENTILES}}
 
 
-def goodput(requests: list[RequestMetrics], slo: SLO, duration: float | None = None) -> float:
+def goodput(requests: list, slo: SLO, duration: float | None = None) -> float:
     """Requests per second that met ``slo`` over the run's duration (default: first arrival to
     last finish)."""
     duration = run_duration(requests) if duration is None else duration
@@ -71,28 +74,33 @@ def run_duration(requests: list[RequestMetrics]) -> float:
     return max(finished) - min(m.arrival_time for m in requests)
 
 
-def summarize(requests: list[RequestMetrics], slo: SLO | None = None,
-              duration: float | None = None) -> dict:
+def summarize(requests: list, slo: SLO | None = None, duration: float | None = None) -> dict:
     """The run in one dictionary: counts, throughput, latency distributions and (with an SLO)
-    goodput. ``duration`` defaults to first arrival -> last finish."""
+    goodput. ``requests``: the engine's ``RequestMetrics`` or the load generator's
+    ``ClientRequest``, anything with ``num_prompt_tokens``, ``num_output_tokens``, ``completed``
+    and the :data:`LATENCIES` (None where that side cannot see one). Tokens count over every
+    request, latencies and the request rate over the completed ones. ``duration`` defaults to first
+    arrival -> last finish (engine requests only)."""
     duration = run_duration(requests) if duration is None else duration
     if not duration > 0:
         raise ValueError(f"duration must be positive, got {duration}")
-    output_tokens = sum(m.num_output_tokens for m in requests)
-    prompt_tokens = sum(m.num_prompt_tokens for m in requests)
+    completed = [r for r in requests if r.completed]
+    output_tokens = sum(r.num_output_tokens for r in requests)
+    prompt_tokens = sum(r.num_prompt_tokens or 0 for r in requests)
     summary = {
         "num_requests": len(requests),
+        "num_completed": len(completed),
         "duration_s": duration,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
-        "request_throughput": len(requests) / duration,
+        "request_throughput": len(completed) / duration,
         "output_throughput": output_tokens / duration,
         "total_throughput": (prompt_tokens + output_tokens) / duration,
     }
-    for name in ("ttft", "tpot", "e2e", "queueing"):
-        summary[name] = distribution([v for m in requests if (v := getattr(m, name)) is not None])
+    for name in LATENCIES:
+        summary[name] = distribution([v for r in completed if (v := getattr(r, name)) is not None])
     if slo is not None:
         summary["slo"] = {"ttft": slo.ttft, "tpot": slo.tpot}
-        summary["goodput"] = goodput(requests, slo, duration)
-        summary["slo_attainment"] = sum(slo.met_by(m) for m in requests) / len(requests)
+        summary["goodput"] = goodput(completed, slo, duration)
+        summary["slo_attainment"] = sum(slo.met_by(r) for r in completed) / len(requests)
     return summary
