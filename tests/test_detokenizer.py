@@ -15,9 +15,9 @@ class ByteTokenizer:
         return b"".join(PIECES[i] for i in ids).decode("utf-8", errors="replace")
 
 
-def stream(ids, stop=(), finish=True):
+def stream(ids, stop=(), finish=True, min_tokens=0):
     """Feed one token per step; return the pieces handed out and the detokenizer."""
-    text = Detokenizer(ByteTokenizer(), stop)
+    text = Detokenizer(ByteTokenizer(), stop, min_tokens)
     pieces = []
     for i, token in enumerate(ids):
         last = finish and i == len(ids) - 1
@@ -65,3 +65,12 @@ def test_without_a_tokenizer_only_ids_count():
     text = Detokenizer(None)
     text.add([1, 2, 3], finished=True)
     assert (text.text, text.take(finished=True), text.token_ids) == ("", "", [1, 2, 3])
+
+
+def test_no_stop_string_counts_before_min_tokens():
+    ids = [0, 1, 2, 3, 0, 1, 6]  # "hello world hello!"
+    pieces, text = stream(ids, stop=["llo"], min_tokens=3)
+    assert (text.stopped, text.text) == (True, "hello worldhe")  # the second "llo", past 3 tokens
+    assert "".join(pieces) == "hello worldhe" and text.token_ids == ids[:6]
+    _, early = stream(ids, stop=["llo"])
+    assert early.text == "he"

@@ -51,6 +51,9 @@ def test_vllm_metrics_read_like_minillm_ones():
                       "num_preemptions_total": 4.0, "request_success_total.stop": 7.0,
                       "request_success_total.abort": 1.0, "time_to_first_token_seconds_count": 8.0,
                       "time_to_first_token_seconds_sum": 2.0}
+    rejected = ('# TYPE minillm:request_rejected counter\n'
+                'minillm:request_rejected_total{model_name="m",reason="queue_full"} 3.0\n')
+    assert loadgen.parse_metrics(rejected) == ("minillm", {"request_rejected_total.queue_full": 3.0})
     assert loadgen.parse_metrics("# nothing here\n") == (None, {})
 
 

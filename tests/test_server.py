@@ -1,7 +1,9 @@
 """The OpenAI-compatible server (chapter: serving over HTTP), started for real on 127.0.0.1 and
 driven with the official ``openai`` client and httpx: streamed and gathered answers agree,
 concurrency changes no token (float64), chat goes through the chat template, every bad input gets
-its status and OpenAI's error body with nothing queued, a client that hangs up frees its KV blocks
+its status and OpenAI's error body with nothing queued (unknown fields refused by name, counted by
+reason, the parameter named as the client sent it), vLLM's min_tokens and continuous usage stats,
+vLLM's metric meanings (prompts counted once, every token gap), a client that hangs up frees its KV blocks
 within a second, a full queue answers 503, SIGTERM exits 0, and a soak of a few hundred requests
 with random hang-ups loses no request and leaks no block."""
 import asyncio
@@ -113,6 +115,14 @@ def finished_requests(values: dict[str, float]) -> float:
     return values["minillm:request_success_total"]
 
 
+def rejected(server) -> dict[str, float]:
+    """``minillm:request_rejected_total`` by reason, from the parsed Prometheus text."""
+    text = httpx.get(server.url + "/metrics").text
+    return {sample.labels["reason"]: sample.value
+            for family in text_string_to_metric_families(text) if family.name == "minillm:request_rejected"
+            for sample in family.samples if sample.name == "minillm:request_rejected_total"}
+
+
 # --- the API --------------------------------------------------------------------------------------
 
 def test_health_models_and_metrics_names(chat_server):
@@ -123,9 +133,11 @@ def test_health_models_and_metrics_names(chat_server):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
                  "prefix_cache_queries_total", "prefix_cache_hits_total",
-                 "time_to_first_token_seconds_count", "time_per_output_token_seconds_count",
-                 "e2e_request_latency_seconds_count"):
+                 "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                 "request_time_per_output_token_seconds_count", "e2e_request_latency_seconds_count",
+                 "request_queue_time_seconds_count"):
         assert "minillm:" + name in values, name
+    assert "minillm:time_per_output_token_seconds_count" not in values  # vLLM's retired name
 
 
 def test_streamed_and_gathered_greedy_text_agree(chat_server):
@@ -181,6 +193,72 @@ def test_stop_strings_cut_the_text_before_them(chat_server):
     wait_until_idle(chat_server)
 
 
+def test_min_tokens_holds_off_stop_tokens_and_stop_strings(chat_server):
+    """The token that would stop the answer is masked until min_tokens are out (the answer runs
+    past it); a stop string counts only once min_tokens are out; min_tokens > max_tokens is a 400."""
+    client = client_for(chat_server)
+    args = dict(model="tiny-chat", prompt="Hello server", max_tokens=16, temperature=0)
+    full = client.completions.create(**args, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = full.choices[0].token_ids
+    stop_at = next(i for i, t in enumerate(ids) if i >= 1 and t not in ids[:i])
+    extra = {"ignore_eos": True, "return_token_ids": True, "stop_token_ids": [ids[stop_at]]}
+    stopped = client.completions.create(**args, extra_body=extra).choices[0]
+    assert (stopped.token_ids, stopped.finish_reason) == (ids[:stop_at + 1], "stop")
+    held = client.completions.create(**args, extra_body={**extra, "min_tokens": 10}).choices[0]
+    assert len(held.token_ids) >= 10 and ids[stop_at] not in held.token_ids[:10]
+    assert held.token_ids[:stop_at] == ids[:stop_at]
+
+    text = full.choices[0].text
+    stop = text[3:6]
+    held_text = client.completions.create(**args, stop=stop, extra_body={
+        "ignore_eos": True, "min_tokens": 16}).choices[0]
+    assert held_text.text.startswith(text[:text.index(stop)] + stop)  # ran past its first match
+    assert text.startswith(held_text.text)
+    with pytest.raises(openai.BadRequestError, match=r"min_tokens must be .*max_tokens=16"):
+        client.completions.create(**args, extra_body={"min_tokens": 17})
+
+
+def test_continuous_usage_stats_put_the_usage_in_every_chunk(chat_server):
+    client = client_for(chat_server)
+    args = dict(model="tiny-chat", max_tokens=5, temperature=0, stream=True,
+                extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(
+        prompt="Hello world", **args,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chunks)
+    assert [c.usage.completion_tokens for c in chunks] == [1, 2, 3, 4, 5, 5]
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
+    chat = list(client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hello"}], **args,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert [c.usage.completion_tokens for c in chat] == [0, 1, 2, 3, 4, 5, 5]
+    plain = list(client.completions.create(prompt="Hello world", **args,
+                                           stream_options={"include_usage": True}))
+    assert [c.usage is not None for c in plain] == [False] * 5 + [True]
+
+
+def test_metrics_count_prompts_once_and_every_token_gap(chat_server):
+    """vLLM's meanings: prompt_tokens counts a prompt once, prefix hits included; the
+    inter-token histogram gets one gap per token after the first, as they come."""
+    client = client_for(chat_server)
+    prompt = "Twenty colleagues share one model behind an interface; one pastes a contract."
+    before = wait_until_idle(chat_server)
+    for _ in range(2):
+        answer = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=7,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    after = wait_until_idle(chat_server)
+
+    def added(name):
+        return after["minillm:" + name] - before["minillm:" + name]
+    assert added("prompt_tokens_total") == 2 * answer.usage.prompt_tokens
+    assert 0 < added("prefix_cache_hits_total") < answer.usage.prompt_tokens  # the second one hit
+    assert added("generation_tokens_total") == 14
+    assert added("inter_token_latency_seconds_count") == 2 * 6
+    for name in ("time_to_first_token_seconds_count", "request_time_per_output_token_seconds_count",
+                 "e2e_request_latency_seconds_count", "request_success_total"):
+        assert added(name) == 2, name
+
+
 def test_chat_uses_the_chat_template(chat_server):
     from transformers import AutoTokenizer
 
@@ -229,6 +307,11 @@ BAD_INPUTS = [  # (endpoint, body or raw text, status, words the message must co
     ("completions", {"prompt": "text"}, 400, "no tokenizer"),
     ("completions", {"prompt": [1, 2], "stop": "x"}, 400, "stop strings need a tokenizer"),
     ("completions", {"prompt": [1, 2], "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"prompt": [1, 2], "min_p": 0.1}, 400, "unknown field 'min_p'"),
+    ("completions", {"prompt": [1, 2], "stream": True,
+                     "stream_options": {"include_usage": True, "chunk_size": 4}}, 400,
+     "unknown field 'stream_options.chunk_size'"),
+    ("completions", {"prompt": [1, 2], "max_tokens": 3, "min_tokens": 5}, 400, "min_tokens must be"),
     ("completions", {"prompt": [1, 2], "stream_options": {"include_usage": True}}, 400, "stream=true"),
     ("completions", {"model": "gpt-4", "prompt": [1, 2]}, 404, "gpt-4"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "chat template"),
@@ -251,6 +334,38 @@ def test_bad_input_gets_a_clear_error_and_nothing_is_queued(exact_server, endpoi
     assert after["minillm:prompt_tokens_total"] == before["minillm:prompt_tokens_total"]
     assert finished_requests(after) == finished_requests(before)
     assert after["minillm:num_requests_waiting"] == 0
+
+
+def test_unknown_fields_are_refused_by_name_counted_and_logged(exact_server):
+    """minillm refuses a field it does not know (vLLM would log it and drop it); null counts as
+    absent and OpenAI's no-effect fields (user, metadata, ...) are taken. Each refusal is counted
+    by reason in /metrics and written to the log with it."""
+    client = client_for(exact_server)
+    before = rejected(exact_server)
+    with pytest.raises(openai.BadRequestError, match="unknown field 'typical_p'") as caught:
+        client.completions.create(model="tiny-exact", prompt=[1, 2], max_tokens=2,
+                                  extra_body={"typical_p": 0.9})
+    assert caught.value.body["param"] == "typical_p"
+    answer = client.completions.create(model="tiny-exact", prompt=[1, 2], max_tokens=2, user="u1",
+                                       extra_body={"typical_p": None, "ignore_eos": True})
+    assert answer.usage.completion_tokens == 2
+    after = rejected(exact_server)
+    assert after["unknown_field"] - before.get("unknown_field", 0) == 1
+    assert "400 unknown_field (typical_p)" in exact_server.log()
+
+
+def test_errors_name_the_parameter_the_client_sent(chat_server):
+    client = client_for(chat_server)
+    messages = [{"role": "user", "content": "Hello"}]
+    with pytest.raises(openai.BadRequestError, match="max_completion_tokens must be") as caught:
+        client.chat.completions.create(model="tiny-chat", messages=messages, max_completion_tokens=0)
+    assert caught.value.body["param"] == "max_completion_tokens"
+    assert "max_tokens" not in caught.value.body["message"].replace("max_completion_tokens", "")
+    with pytest.raises(openai.BadRequestError, match="reduce the prompt or max_completion_tokens"):
+        client.chat.completions.create(model="tiny-chat", messages=messages,
+                                       max_completion_tokens=1000)
+    with pytest.raises(openai.BadRequestError, match="reduce the prompt or max_tokens"):
+        client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=1000)
 
 
 def test_openai_client_raises_its_own_error_types(exact_server):

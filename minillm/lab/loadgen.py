@@ -47,6 +47,7 @@ GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 COUNTERS = ("num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
             "prefix_cache_queries_total", "prefix_cache_hits_total",
             "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count",
+            "inter_token_latency_seconds_sum", "inter_token_latency_seconds_count",
             "e2e_request_latency_seconds_sum", "e2e_request_latency_seconds_count",
             "request_queue_time_seconds_sum", "request_queue_time_seconds_count")
 ALIASES = {"gpu_cache_usage_perc": "kv_cache_usage_perc"}  # vLLM's name before V1
@@ -275,7 +276,7 @@ def _error_message(content: bytes) -> str:
 def parse_metrics(text: str) -> tuple[str | None, dict[str, float]]:
     """The Prometheus text of a minillm or vLLM server as (prefix, {name: value}): the gauges and
     counters the record keeps, summed over labels; finished requests as
-    ``request_success_total.<reason>``."""
+    ``request_success_total.<reason>``, minillm's refused ones as ``request_rejected_total.<reason>``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     backend, values = None, {}
@@ -288,6 +289,8 @@ def parse_metrics(text: str) -> tuple[str | None, dict[str, float]]:
             name = ALIASES.get(name, name)
             if name == "request_success_total":
                 name = f"{name}.{sample.labels.get('finished_reason', '')}"
+            elif name == "request_rejected_total":
+                name = f"{name}.{sample.labels.get('reason', '')}"
             elif name not in GAUGES + COUNTERS:
                 continue
             values[name] = values.get(name, 0.0) + sample.value

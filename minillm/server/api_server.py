@@ -7,7 +7,8 @@
 - ``POST /v1/chat/completions``: the messages rendered by the tokenizer's chat template.
 
 A handler checks the request first: every client mistake is a 400 (or 404 for an unknown model)
-with OpenAI's error body, before anything is queued. Then it adds one engine request per prompt
+with OpenAI's error body, before anything is queued; every error answer is counted by reason in
+``minillm:request_rejected_total`` and logged with its reason. Then it adds one engine request per prompt
 and reads their outputs step by step, streamed as server-sent events ending in ``data: [DONE]``
 or gathered into one response. When the client hangs up, its requests are aborted before the next
 step. :func:`serve` runs it under uvicorn; on SIGTERM or SIGINT it stops taking requests, gives
@@ -35,12 +36,13 @@ from starlette.exceptions import HTTPException
 from minillm.engine.engine import LLMEngine
 from minillm.server.async_engine import AsyncEngine, NotAccepting, OutputStream, QueueFull
 from minillm.server.detokenizer import Detokenizer
-from minillm.server.metrics import CONTENT_TYPE
+from minillm.server.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                      GenerationRequest, validation_error)
 
 logger = logging.getLogger("minillm.server")
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
+LOG_LIMIT = 4096  # steps and finished requests the served engine's recorder keeps (the latest)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Call:
             yield i, text.take(finished=finish is not None), output.new_token_ids, finish
 
     def usage(self) -> dict:
+        """Tokens so far: in the last chunk, or in every chunk with continuous_usage_stats."""
         prompt = sum(map(len, self.prompt_ids))
         completion = sum(len(text.token_ids) for text in self.texts)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -123,7 +126,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
         await async_engine.stop()
 
     app = FastAPI(title="minillm", lifespan=lifespan)
-    _add_error_handlers(app)
+    _add_error_handlers(app, async_engine.metrics)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer_check(api_key))])
 
     @app.get("/health")
@@ -175,28 +178,34 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
-    """Every error as OpenAI's body; a client's mistake never as a 500 or a traceback."""
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Every error as OpenAI's body; a client's mistake never as a 500 or a traceback. Each one is
+    counted by reason (``minillm:request_rejected_total``) and logged with it, but for a client
+    that hung up (499), which nobody reads."""
 
-    def reply(err: APIError) -> JSONResponse:
+    def reply(request: Request, err: APIError) -> JSONResponse:
+        if err.status != 499:
+            metrics.reject(err.reason)
+            logger.warning("rejected %s %s: %d %s%s: %s", request.method, request.url.path,
+                           err.status, err.reason, f" ({err.param})" if err.param else "", err.message)
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(APIError)
     async def api_error(request, err: APIError):
-        return reply(err)
+        return reply(request, err)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, err: RequestValidationError):
-        return reply(validation_error(list(err.errors())))
+        return reply(request, validation_error(list(err.errors())))
 
     @app.exception_handler(HTTPException)
     async def http_error(request, err: HTTPException):  # unknown path, wrong method
-        return reply(APIError(err.status_code, str(err.detail), headers=err.headers))
+        return reply(request, APIError(err.status_code, str(err.detail), headers=err.headers))
 
     @app.exception_handler(Exception)
     async def server_error(request, err: Exception):  # a bug of ours: logged with its traceback
         logger.error("internal error on %s", request.url.path, exc_info=err)
-        return reply(APIError(500, f"internal server error: {err!r}"))
+        return reply(request, APIError(500, f"internal server error: {err!r}"))
 
 
 def _bearer_check(api_key: str | None):
@@ -216,7 +225,7 @@ def _check(body: GenerationRequest, model_name: str) -> None:
     body.check_supported()
     if body.model is not None and body.model != model_name:
         raise APIError(404, f"The model `{body.model}` does not exist: this server serves "
-                            f"`{model_name}`", param="model")
+                            f"`{model_name}`", param="model", reason="unknown_model")
 
 
 def _prompt_ids(engine: LLMEngine, prompt: str | list[int]) -> list[int]:
@@ -248,34 +257,36 @@ def _start(async_engine: AsyncEngine, model_name: str, prefix: str, body: Genera
         raise APIError(400, "stop strings need a tokenizer and this model has none: use "
                             "stop_token_ids", param="stop")
     params = [body.sampling_params(_max_tokens(engine.config.max_model_len, len(p),
-                                               body.requested_max_tokens())) for p in prompts]
+                                               body.requested_max_tokens(), body.max_tokens_field))
+              for p in prompts]
     call_id = f"{prefix}-{uuid.uuid4().hex}"
     request_ids = [f"{call_id}-{i}" for i in range(len(prompts))]
     try:
         stream = async_engine.add(request_ids, prompts, params, arrival)
     except QueueFull as err:
         raise APIError(503, f"the server is busy: {err}; retry in {RETRY_AFTER_S} s",
-                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+                       headers={"Retry-After": str(RETRY_AFTER_S)}, reason="queue_full") from None
     except NotAccepting as err:
         raise APIError(503, str(err)) from None
-    texts = [Detokenizer(engine.tokenizer, stop) for _ in prompts]
+    texts = [Detokenizer(engine.tokenizer, stop, body.min_tokens) for _ in prompts]
     return Call(call_id, model_name, prompts, stream, texts, int(time.time()))
 
 
-def _max_tokens(max_model_len: int, num_prompt_tokens: int, requested: int | None) -> int:
+def _max_tokens(max_model_len: int, num_prompt_tokens: int, requested: int | None,
+                field: str = "max_tokens") -> int:
     """``requested``, or what is left of ``max_model_len`` when None; 400 when it does not fit
-    (vLLM's rule: prompt + max_tokens <= max_model_len)."""
+    (vLLM's rule: prompt + max_tokens <= max_model_len). ``field``: the client's name for it."""
     if num_prompt_tokens >= max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
                             f"However, your prompt has {num_prompt_tokens} tokens, which leaves no "
-                            f"room for a completion", param="prompt")
+                            f"room for a completion", param="prompt", reason="context_length")
     if requested is None:
         return max_model_len - num_prompt_tokens
     if requested >= 1 and num_prompt_tokens + requested > max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
                             f"However, you requested {num_prompt_tokens + requested} tokens "
                             f"({num_prompt_tokens} in the prompt, {requested} in the completion): "
-                            f"reduce the prompt or max_tokens", param="max_tokens")
+                            f"reduce the prompt or {field}", param=field, reason="context_length")
     return requested
 
 
@@ -286,22 +297,30 @@ async def _completion_events(call: Call, body: CompletionRequest) -> AsyncIterat
         choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
         if body.return_token_ids:
             choice["token_ids"] = token_ids
-        yield call.chunk("text_completion", [choice])
+        yield _with_usage(call, body, call.chunk("text_completion", [choice]))
     if body.include_usage:
         yield call.chunk("text_completion", [], usage=call.usage())
 
 
 async def _chat_events(call: Call, body: ChatCompletionRequest) -> AsyncIterator[dict]:
     kind = "chat.completion.chunk"
-    yield call.chunk(kind, [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}])
+    yield _with_usage(call, body, call.chunk(kind, [{
+        "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        "finish_reason": None}]))
     async for index, text, token_ids, finish in call.deltas():
         choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
         if body.return_token_ids:
             choice["token_ids"] = token_ids
-        yield call.chunk(kind, [choice])
+        yield _with_usage(call, body, call.chunk(kind, [choice]))
     if body.include_usage:
         yield call.chunk(kind, [], usage=call.usage())
+
+
+def _with_usage(call: Call, body: GenerationRequest, chunk: dict) -> dict:
+    """With continuous_usage_stats, every chunk carries the usage so far (vLLM's extension)."""
+    if body.continuous_usage:
+        chunk["usage"] = call.usage()
+    return chunk
 
 
 async def _gather(call: Call, request: Request) -> list[dict]:
@@ -347,7 +366,8 @@ def serve(model, *, host: str, port: int, max_queue: int | None, shutdown_timeou
     """Load ``model`` into an ``LLMEngine`` (``engine_args`` are ``EngineConfig``'s), serve it on
     ``host:port`` until SIGTERM or SIGINT, shut down gracefully and return 0."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
-    engine = LLMEngine(model, device=device, dtype=dtype, weights=weights, **engine_args)
+    engine = LLMEngine(model, device=device, dtype=dtype, weights=weights, log_limit=LOG_LIMIT,
+                       **engine_args)
     name = served_model_name or str(model)
     async_engine = AsyncEngine(engine, name, max_queue)
     app = build_app(async_engine, name, api_key)

@@ -13,7 +13,9 @@ Only the loop touches the engine, and only between steps, so the engine needs no
 gets an :class:`OutputStream` from :meth:`AsyncEngine.add` and reads its requests' outputs step by
 step. When it stops early (the client hung up, a stop string, shutdown) it aborts what is left; the
 abort reaches the engine before the next step, and the request's KV blocks go back to the pool.
-After every step the server's metrics take the engine's counts (``ServerMetrics.observe``).
+After every step the loop takes the engine's snapshot (``LLMEngine.snapshot``: queues, KV pool,
+counters) for ``/metrics`` and the queue bound, and hands the step's outputs to the histograms
+(``ServerMetrics.observe``); nothing of the engine is reset, so a served run can be recorded too.
 """
 from __future__ import annotations
 
@@ -88,10 +90,9 @@ class AsyncEngine:
             raise ValueError(f"max_queue must be >= 1 or None, got {max_queue}")
         self.engine = engine
         self.max_queue = max_queue
-        self.metrics = ServerMetrics(model_name)
+        self.metrics = ServerMetrics(model_name, engine.snapshot())
         self.accepting = True  # False once shutting down
         self.error: Exception | None = None  # what stopped the loop, if a step failed
-        self.num_waiting = 0  # the engine's waiting queue after the last step
         self._streams: dict[str, OutputStream] = {}  # every unfinished request's stream
         self._to_add: list[tuple[str, list[int], SamplingParams, float]] = []
         self._to_abort: list[tuple[str, str]] = []
@@ -110,7 +111,7 @@ class AsyncEngine:
         while True:
             self._apply_inbox()
             if not self.engine.has_unfinished():
-                self._observe()
+                self.metrics.observe(self.engine.snapshot(), [])
                 if not self._streams:
                     self._idle.set()
                 self._wakeup.clear()
@@ -122,7 +123,7 @@ class AsyncEngine:
                 logger.exception("engine step failed; every request in flight gets an error")
                 self._fail(err)
                 return
-            self._observe()
+            self.metrics.observe(self.engine.snapshot(), outputs)
             for output in outputs:
                 stream = self._streams.pop(output.request_id) if output.finished \
                     else self._streams.get(output.request_id)
@@ -144,10 +145,6 @@ class AsyncEngine:
             except ValueError:  # it finished meanwhile
                 pass
 
-    def _observe(self) -> None:
-        self.num_waiting = len(self.engine.scheduler.waiting)
-        self.metrics.observe(self.engine)
-
     def _fail(self, err: Exception) -> None:
         self.error = err
         self.accepting = False
@@ -164,10 +161,9 @@ class AsyncEngine:
         if not self.accepting:
             raise NotAccepting("the server is shutting down" if self.error is None else
                                f"the engine stopped after an internal error: {self.error!r}")
-        if self.max_queue is not None and \
-                self.num_waiting + len(self._to_add) + len(prompts) > self.max_queue:
-            raise QueueFull(f"{self.num_waiting + len(self._to_add)} requests are waiting "
-                            f"(max_queue={self.max_queue})")
+        waiting = self.metrics.snapshot["num_waiting"] + len(self._to_add)  # as of the last step
+        if self.max_queue is not None and waiting + len(prompts) > self.max_queue:
+            raise QueueFull(f"{waiting} requests are waiting (max_queue={self.max_queue})")
         stream = OutputStream(self, request_ids)
         for request_id, prompt, p in zip(request_ids, prompts, params, strict=True):
             self._to_add.append((request_id, prompt, p, arrival_time))

@@ -7,7 +7,8 @@ depends on the tokens before it) and waits while the window ends in an incomplet
 (U+FFFD). It holds back the last ``len(longest stop string) - 1`` characters, which could be the
 start of a stop string, until the following text shows they are not. When a stop string appears,
 the text ends just before it (vLLM's rule) and ``stopped`` is set: the caller then ends the request
-in the engine. Without a tokenizer the text stays empty and only the ids count.
+in the engine. Until ``min_tokens`` tokens are out no stop string counts; after that the search
+looks back only as far as a stop string could reach into earlier text (vLLM's rule too). Without a tokenizer the text stays empty and only the ids count.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ INCOMPLETE = "\ufffd"  # what decoding part of a multi-byte character gives
 class Detokenizer:
     """One request's text so far; :meth:`take` hands out the part that is safe to send."""
 
-    def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = (), min_tokens: int = 0):
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
@@ -42,7 +44,7 @@ class Detokenizer:
         self.text += after[len(before):]
         self._prefix, self._read = self._read, len(self.token_ids)
         hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
-        if hits:
+        if hits and len(self.token_ids) >= self.min_tokens:
             self.text = self.text[:min(hits)]
             self.stopped = True
 

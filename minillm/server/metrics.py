@@ -1,30 +1,54 @@
 """What the server exports at ``GET /metrics`` (chapter: serving over HTTP).
 
-vLLM's metric names under a ``minillm:`` prefix, in Prometheus' text format, so a dashboard or the
-load generator reads minillm and vLLM alike. Gauges say how things stand now (requests running and
-waiting, the share of KV blocks held); counters add up the engine's run counters (preemptions,
-prompt and generated tokens, prefix-cache queries and hits, finished requests by reason);
-histograms hold every finished request's TTFT, its gaps between tokens, its end-to-end latency and
-its time in the queue.
+vLLM's (V1) metric names and meanings under a ``minillm:`` prefix, in Prometheus' text format, so
+a dashboard or the load generator reads minillm and vLLM alike:
 
-:meth:`ServerMetrics.observe` feeds them after every engine step from the numbers' owners: the
-scheduler's queues, the KV manager, the recorder's counters and the finished requests'
-``RequestMetrics``. The recorder then starts over, so a server that runs for weeks keeps no step log.
+- gauges, how things stand now: ``num_requests_running``, ``num_requests_waiting``,
+  ``kv_cache_usage_perc`` (share of KV blocks held);
+- counters since the server started: ``num_preemptions``, ``prompt_tokens`` (each request's prompt
+  once, prefix hits included, as vLLM V1 counts it; recomputation after a preemption is not
+  counted again), ``generation_tokens``, ``prefix_cache_queries`` and ``prefix_cache_hits`` (in
+  tokens), ``request_success`` by ``finished_reason``, and ``request_rejected`` by ``reason``
+  (minillm's own: every error answer, also written to the log with its reason);
+- histograms: ``time_to_first_token_seconds`` (observed at the first token),
+  ``inter_token_latency_seconds`` (every gap between two tokens of a request, as they come: the
+  name vLLM gave ``time_per_output_token_seconds`` when it retired it; minillm exports only the
+  new one), ``request_time_per_output_token_seconds`` (each finished request's mean TPOT),
+  ``e2e_request_latency_seconds`` and ``request_queue_time_seconds`` (at the finish).
+
+The gauges and counters are read at scrape time from the engine's snapshot
+(``LLMEngine.snapshot``), which the engine loop takes after every step; nothing here resets
+anything in the engine. The histograms are fed from the outputs each step hands back.
 """
 from __future__ import annotations
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
                                disable_created_metrics, generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from minillm.engine.recorder import FINISH_REASONS
+from minillm.engine.request import RequestOutput
 
 PREFIX = "minillm:"
-FINISH_REASONS = ("stop", "length", "abort")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)  # vLLM's
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+GAUGES = {  # name: (snapshot key, help)
+    "num_requests_running": ("num_running", "Requests holding KV blocks."),
+    "num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),
+    "kv_cache_usage_perc": ("kv_usage", "Share of the KV blocks held (1 = full)."),
+}
+COUNTERS = {  # name (without _total): (snapshot key, help)
+    "num_preemptions": ("num_preemptions", "Requests preempted to free KV blocks."),
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens, each request's once (prefix hits included)."),
+    "generation_tokens": ("generation_tokens", "Tokens generated."),
+    "prefix_cache_queries": ("prefix_query_tokens", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_hit_tokens", "Prompt tokens the prefix cache served."),
+}
 
 disable_created_metrics()  # no "<counter>_created" series: vLLM exports none either
 
@@ -32,62 +56,73 @@ disable_created_metrics()  # no "<counter>_created" series: vLLM exports none ei
 class ServerMetrics:
     """The server's Prometheus collectors, in a registry of their own, labelled with the model name."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, snapshot: dict):
+        self.model_name = model_name
+        self.snapshot = snapshot  # the engine's, after its latest step
         self.registry = CollectorRegistry()
+        self.registry.register(_SnapshotCollector(self))
         label = {"labelnames": ["model_name"], "registry": self.registry}
-
-        def gauge(name, doc):
-            return Gauge(PREFIX + name, doc, **label).labels(model_name)
-
-        def counter(name, doc):
-            return Counter(PREFIX + name, doc, **label).labels(model_name)
 
         def histogram(name, doc, buckets):
             return Histogram(PREFIX + name, doc, buckets=buckets, **label).labels(model_name)
 
-        self.num_requests_running = gauge("num_requests_running", "Requests holding KV blocks.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Share of the KV blocks held (1 = full).")
-        self.num_preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (recomputed included).")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.prefix_cache_queries = counter("prefix_cache_queries",
-                                            "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens the prefix cache served.")
-        success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
-                          ["model_name", "finished_reason"], registry=self.registry)
-        self.request_success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
-        self.tpot = histogram("time_per_output_token_seconds", "Gap between consecutive output tokens.",
-                              TPOT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Gap between consecutive output tokens.",
+                             ITL_BUCKETS)
+        self.request_tpot = histogram("request_time_per_output_token_seconds",
+                                      "Each finished request's mean time per output token after "
+                                      "the first.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
                                     TTFT_BUCKETS)
+        self._rejected = Counter(PREFIX + "request_rejected", "Requests answered with an error, by "
+                                 "reason.", ["model_name", "reason"], registry=self.registry)
 
-    def observe(self, engine) -> None:
-        """Read the engine's queues and pool, take its recorder's counts since the last call and
-        its finished requests, then reset the recorder. Call it only between steps."""
-        scheduler, kv = engine.scheduler, engine.kv_cache.manager
-        self.num_requests_running.set(len(scheduler.running))
-        self.num_requests_waiting.set(len(scheduler.waiting))
-        self.kv_cache_usage.set(kv.num_used_blocks / kv.num_blocks)
-        recorder = engine.recorder
-        self.num_preemptions.inc(recorder.num_preemptions)
-        self.prompt_tokens.inc(recorder.prompt_tokens)
-        self.generation_tokens.inc(recorder.generation_tokens)
-        self.prefix_cache_queries.inc(recorder.prefix_cache_queries)
-        self.prefix_cache_hits.inc(recorder.prefix_cache_hits)
-        for request in recorder.finished:
-            self.request_success[request.finish_reason].inc()
-            metrics = request.metrics
-            for histogram, value in ((self.ttft, metrics.ttft), (self.e2e, metrics.e2e),
-                                     (self.queue_time, metrics.queueing)):
-                if value is not None:
-                    histogram.observe(value)
-            for earlier, later in zip(metrics.token_times, metrics.token_times[1:]):
-                self.tpot.observe(later - earlier)
-        engine.reset_metrics()
+    def observe(self, snapshot: dict, outputs: list[RequestOutput]) -> None:
+        """Keep the engine's latest snapshot; put each output's new token gaps and each finished
+        request's latencies in the histograms. Call it only between steps."""
+        self.snapshot = snapshot
+        for output in outputs:
+            metrics, new = output.metrics, len(output.new_token_ids)
+            times = metrics.token_times
+            for i in range(len(times) - new, len(times)):
+                if i == 0:
+                    self.ttft.observe(metrics.ttft)
+                else:
+                    self.itl.observe(times[i] - times[i - 1])
+            if output.finished:
+                for histogram, value in ((self.e2e, metrics.e2e), (self.queue_time, metrics.queueing),
+                                         (self.request_tpot, metrics.tpot)):
+                    if value is not None:
+                        histogram.observe(value)
+
+    def reject(self, reason: str) -> None:
+        """Count one request answered with an error (``reason``: ``APIError.reason``)."""
+        self._rejected.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector."""
         return generate_latest(self.registry)
+
+
+class _SnapshotCollector:
+    """The gauges and counters, read from the latest engine snapshot at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        snapshot, name = self.metrics.snapshot, self.metrics.model_name
+        for metric, (key, doc) in GAUGES.items():
+            family = GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            family.add_metric([name], snapshot[key])
+            yield family
+        for metric, (key, doc) in COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            family.add_metric([name], snapshot[key])
+            yield family
+        success = CounterMetricFamily(PREFIX + "request_success", "Finished requests, by finish "
+                                      "reason.", labels=["model_name", "finished_reason"])
+        for reason in FINISH_REASONS:
+            success.add_metric([name, reason], snapshot[f"num_finished_{reason}"])
+        yield success

@@ -2,9 +2,15 @@
 
 The pydantic models check types only (strictly: ``true`` is no token id, ``1.5`` no ``max_tokens``).
 Values are checked once, by the engine's own ``SamplingParams``, whose ``ValueError`` becomes a
-400. Fields minillm cannot honour (``n > 1``, logprobs, penalties, ...) are refused by name rather
-than silently ignored. Every error a client gets is an :class:`APIError`: an HTTP status and
-OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+400 naming the field the client sent (``max_completion_tokens`` when that is how it asked).
+Fields minillm cannot honour (``n > 1``, logprobs, penalties, ...) are refused by name rather
+than silently ignored, and so is every field it does not know (``minillm`` refuses what vLLM would
+log as ignored and drop: an answer computed without a setting the client sent is not the answer
+it asked for). A field sent as ``null`` counts as not sent, and a few of OpenAI's fields that
+change nothing about the answer (:data:`NO_EFFECT`: ``user``, ``metadata``, ...) are taken and
+ignored. Every error a client gets is an :class:`APIError`: an HTTP status, a ``reason`` for the
+server's log and its ``request_rejected`` counter, and OpenAI's body
+``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
 
@@ -17,18 +23,23 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
                503: "ServiceUnavailableError"}
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "presence_penalty", "frequency_penalty",
                "repetition_penalty", "logit_bias", "tools", "response_format")  # refused when set
+NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")  # taken, ignored
+REASONS = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+           499: "client_closed", 500: "internal_error", 503: "unavailable"}  # by status, by default
 EXPECTED = {"prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
             "stop": "a string or a list of strings",
             "content": "a string or a list of text parts"}  # said instead of pydantic's per-branch errors
 
 
 class APIError(Exception):
-    """An error for the client: HTTP ``status``, a message saying what to change, the field at fault."""
+    """An error for the client: HTTP ``status``, a message saying what to change, the field at
+    fault, and the ``reason`` the server counts it under (default: by status, :data:`REASONS`)."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, reason: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
+        self.reason = reason or REASONS.get(status, "error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "Error"),
@@ -56,7 +67,8 @@ def validation_error(err: ValidationError | list[dict]) -> APIError:
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage
+    continuous_usage_stats: bool = False  # vLLM's extension: with include_usage, usage in every chunk
 
 
 class GenerationRequest(BaseModel):
@@ -72,6 +84,7 @@ class GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension
+    min_tokens: int = 0  # vLLM's extension: no EOS, stop token or stop string before this many
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -82,16 +95,25 @@ class GenerationRequest(BaseModel):
         if self.n != 1:
             raise APIError(400, f"n must be 1: minillm returns one choice per prompt, got n={self.n}",
                            param="n")
-        for name in UNSUPPORTED:
-            value = (self.model_extra or {}).get(name)
-            if value:  # None, false, 0 and empty values mean "off"
-                raise APIError(400, f"{name} is not supported by minillm", param=name)
-        best_of = (self.model_extra or {}).get("best_of")
-        if best_of not in (None, 1):
-            raise APIError(400, "best_of is not supported by minillm", param="best_of")
-        if self.stream_options is not None and not self.stream:
-            raise APIError(400, "stream_options can only be given with stream=true",
-                           param="stream_options")
+        extra = {name: value for name, value in (self.model_extra or {}).items() if value is not None}
+        for name, value in extra.items():
+            if name in UNSUPPORTED or name == "best_of":
+                if value and not (name == "best_of" and value == 1):  # false, 0, empty: "off"
+                    raise APIError(400, f"{name} is not supported by minillm", param=name,
+                                   reason="unsupported")
+            elif name not in NO_EFFECT:
+                raise APIError(400, f"unknown field {name!r}: minillm takes no such parameter "
+                                    f"(remove it, or check its spelling)", param=name,
+                               reason="unknown_field")
+        if self.stream_options is not None:
+            unknown = [f"stream_options.{name}" for name in self.stream_options.model_extra or {}]
+            if unknown:
+                raise APIError(400, f"unknown field {unknown[0]!r}: stream_options takes "
+                                    f"include_usage and continuous_usage_stats", param=unknown[0],
+                               reason="unknown_field")
+            if not self.stream:
+                raise APIError(400, "stream_options can only be given with stream=true",
+                               param="stream_options")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -102,19 +124,30 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM: only together with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The name under which the client asked for a length, for its error messages."""
+        return "max_tokens"
+
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's params for one prompt; its ValueError as a 400."""
+        """The engine's params for one prompt; its ValueError as a 400 naming the client's field."""
         try:
             return SamplingParams(
                 temperature=self.temperature, top_p=self.top_p,
                 top_k=0 if self.top_k in (None, -1) else self.top_k, max_tokens=max_tokens,
-                ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()),
-                seed=self.seed)
+                min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                stop_token_ids=tuple(self.stop_token_ids or ()), seed=self.seed)
         except ValueError as err:  # its messages start with the field's name
-            raise APIError(400, str(err), param=str(err).split(" ", 1)[0]) from None
+            message = str(err).replace("max_tokens", self.max_tokens_field)
+            raise APIError(400, message, param=message.split(" ", 1)[0]) from None
 
 
 class CompletionRequest(GenerationRequest):
@@ -162,6 +195,10 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     add_generation_prompt: bool = True  # vLLM's extension
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
