@@ -123,6 +123,39 @@ def rejected(server) -> dict[str, float]:
             for sample in family.samples if sample.name == "minillm:request_rejected_total"}
 
 
+# --- one owner for the served numbers ---------------------------------------------------------------
+
+def test_metrics_and_the_run_record_read_one_snapshot_and_reset_nothing():
+    """The server's collectors read the engine's snapshot after each step and feed their
+    histograms from the outputs: the Prometheus text says what the snapshot and the run record say,
+    and the engine keeps its whole run, so a served run can still be recorded."""
+    from minillm import LLMEngine
+    from minillm.engine.config import ModelConfig
+    from minillm.engine.loader import load_model
+    from minillm.engine.sampling import SamplingParams
+    from minillm.server.metrics import ServerMetrics
+
+    model = load_model(ModelConfig.from_dict(EXACT_CONFIG, "tiny-exact"), device="cpu",
+                       dtype=torch.float64, weights="random")
+    engine = LLMEngine(model, num_kv_blocks=64, block_size=4)
+    metrics = ServerMetrics("m", engine.snapshot())
+    for i, prompt in enumerate(exact_prompts(3)):
+        engine.add_request(i, prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    while engine.has_unfinished():
+        outputs = engine.step()
+        metrics.observe(engine.snapshot(), outputs)
+    values = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode())
+              for s in f.samples if s.labels.get("finished_reason") in (None, "length")}
+    snapshot, record = engine.snapshot(), records.run_record(engine)
+    assert values["minillm:generation_tokens_total"] == snapshot["generation_tokens"] == 15
+    assert values["minillm:prompt_tokens_total"] == sum(r["num_prompt_tokens"] for r in record["requests"])
+    assert values["minillm:request_success_total"] == snapshot["num_finished_length"] == 3
+    assert values["minillm:inter_token_latency_seconds_count"] == 3 * 4
+    assert values["minillm:time_to_first_token_seconds_count"] == 3
+    assert len(record["requests"]) == 3 and len(record["stats"]["steps"]) == snapshot["num_steps"]
+    assert record["stats"]["generation_tokens"] == 15
+
+
 # --- the API --------------------------------------------------------------------------------------
 
 def test_health_models_and_metrics_names(chat_server):
