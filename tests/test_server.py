@@ -340,6 +340,7 @@ BAD_INPUTS = [  # (endpoint, body or raw text, status, words the message must co
     ("completions", {"prompt": "text"}, 400, "no tokenizer"),
     ("completions", {"prompt": [1, 2], "stop": "x"}, 400, "stop strings need a tokenizer"),
     ("completions", {"prompt": [1, 2], "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"prompt": [1, 2], "best_of": 2}, 400, "best_of is not supported"),
     ("completions", {"prompt": [1, 2], "min_p": 0.1}, 400, "unknown field 'min_p'"),
     ("completions", {"prompt": [1, 2], "stream": True,
                      "stream_options": {"include_usage": True, "chunk_size": 4}}, 400,
@@ -380,7 +381,8 @@ def test_unknown_fields_are_refused_by_name_counted_and_logged(exact_server):
                                   extra_body={"typical_p": 0.9})
     assert caught.value.body["param"] == "typical_p"
     answer = client.completions.create(model="tiny-exact", prompt=[1, 2], max_tokens=2, user="u1",
-                                       extra_body={"typical_p": None, "ignore_eos": True})
+                                       extra_body={"typical_p": None, "ignore_eos": True,
+                                                                   "best_of": 1, "echo": False})
     assert answer.usage.completion_tokens == 2
     after = rejected(exact_server)
     assert after["unknown_field"] - before.get("unknown_field", 0) == 1

@@ -22,7 +22,9 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
                405: "MethodNotAllowedError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "logit_bias", "tools", "response_format")  # refused when set
+               "repetition_penalty", "logit_bias", "tools", "response_format",
+               "best_of")  # refused when on
+UNSUPPORTED_OFF = {"best_of": 1}  # what else means "off" besides false, 0 and empty
 NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")  # taken, ignored
 REASONS = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
            499: "client_closed", 500: "internal_error", 503: "unavailable"}  # by status, by default
@@ -95,16 +97,16 @@ class GenerationRequest(BaseModel):
         if self.n != 1:
             raise APIError(400, f"n must be 1: minillm returns one choice per prompt, got n={self.n}",
                            param="n")
-        extra = {name: value for name, value in (self.model_extra or {}).items() if value is not None}
-        for name, value in extra.items():
-            if name in UNSUPPORTED or name == "best_of":
-                if value and not (name == "best_of" and value == 1):  # false, 0, empty: "off"
-                    raise APIError(400, f"{name} is not supported by minillm", param=name,
-                                   reason="unsupported")
-            elif name not in NO_EFFECT:
+        for name, value in (self.model_extra or {}).items():
+            if value is None or name in NO_EFFECT:
+                continue
+            if name not in UNSUPPORTED:
                 raise APIError(400, f"unknown field {name!r}: minillm takes no such parameter "
                                     f"(remove it, or check its spelling)", param=name,
                                reason="unknown_field")
+            if value and value != UNSUPPORTED_OFF.get(name):  # false, 0, empty: "off"
+                raise APIError(400, f"{name} is not supported by minillm", param=name,
+                               reason="unsupported")
         if self.stream_options is not None:
             unknown = [f"stream_options.{name}" for name in self.stream_options.model_extra or {}]
             if unknown:
