@@ -143,12 +143,19 @@ def test_a_fully_cached_prompt_still_computes_its_last_token(index):
     assert hold(kv, "c", prompt + [99]) == 8
 
 
-@pytest.mark.parametrize("index", INDEXES)
-def test_freed_blocks_keep_their_key_until_reused(index):
+def computed_and_left(index, prompt):
+    """A pool of 4 blocks of 4 after request "a" computed ``prompt`` and left: its full blocks stay
+    cached, held by nobody."""
     kv = KVCacheManager(4, 4, prefix_index=index)
-    prompt = list(range(13))
     run_request(kv, "a", prompt)
     kv.free("a")
+    return kv
+
+
+@pytest.mark.parametrize("index", INDEXES)
+def test_freed_blocks_keep_their_key_until_reused(index):
+    prompt = list(range(13))
+    kv = computed_and_left(index, prompt)
     assert (kv.num_free_blocks, kv.num_cached_blocks, kv.num_used_blocks) == (4, 3, 0)
     assert hold(kv, "b", prompt) == 12
     assert (kv.num_free_blocks, kv.num_used_blocks) == (1, 3)
@@ -156,10 +163,8 @@ def test_freed_blocks_keep_their_key_until_reused(index):
 
 @pytest.mark.parametrize("index", INDEXES)
 def test_a_prefix_that_leaves_too_few_blocks_is_refused_and_nothing_changes(index):
-    kv = KVCacheManager(4, 4, prefix_index=index)
     prompt = list(range(13))
-    run_request(kv, "a", prompt)
-    kv.free("a")
+    kv = computed_and_left(index, prompt)
     assert kv.allocate("c", 4)  # the free block: the three cached ones stay evictable
     prefix = kv.cached_prefix(prompt + [99])
     assert len(prefix) == 3 and kv.num_free_blocks == 3  # the prefix alone fits, one more block does not
