@@ -31,7 +31,7 @@ def test_decode_graphs_give_the_eager_tokens(count, lengths):
 def test_swap_round_trips_through_pinned_memory():
     model = load_model("tiny", device="cuda", dtype=torch.float32, weights="random")
     llm = LLM(model, block_size=4, num_kv_blocks=24, preemption_mode="swap", enforce_eager=True)
-    assert llm.kv_cache.cpu_kv.is_pinned()
+    assert llm.kv_cache.swap_kv.is_pinned()
     prompts = [[i + 1] * (20 + i) for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     swapped = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

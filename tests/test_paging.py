@@ -92,12 +92,12 @@ def test_bad_calls_raise_clear_errors():
     assert kv.allocate("a", 6)
     with pytest.raises(ValueError, match="num_tokens"):
         kv.allocate("a", 5)
-    with pytest.raises(ValueError, match="match_prefix comes first"):
-        kv.match_prefix("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="a prefix comes with the first allocate"):
+        kv.allocate("a", 8, [0])
     with pytest.raises(ValueError, match="holds slots for 6"):
         kv.commit("a", list(range(7)))
     with pytest.raises(ValueError, match="empty"):
-        kv.match_prefix("b", [])
+        kv.cached_prefix([])
     kv.free("a")
     with pytest.raises(KeyError, match="already freed"):
         kv.free("a")
@@ -105,11 +105,18 @@ def test_bad_calls_raise_clear_errors():
 
 # -- prefix caching ----------------------------------------------------------------------------------
 def run_request(kv, request_id, tokens):
-    """Match, allocate and compute a whole prompt; return the matched token count."""
-    hits = kv.match_prefix(request_id, tokens)
-    assert kv.allocate(request_id, len(tokens))
+    """Look up, allocate and compute a whole prompt; return the cached token count."""
+    prefix = kv.cached_prefix(tokens)
+    assert kv.allocate(request_id, len(tokens), prefix)
     kv.commit(request_id, tokens)
-    return hits
+    return len(prefix) * kv.block_size
+
+
+def hold(kv, request_id, tokens):
+    """A new request holds the cached blocks its prompt starts with; returns their token count."""
+    prefix = kv.cached_prefix(tokens)
+    assert kv.allocate(request_id, len(prefix) * kv.block_size, prefix)
+    return len(prefix) * kv.block_size
 
 
 @pytest.mark.parametrize("index", INDEXES)
@@ -118,7 +125,7 @@ def test_a_shared_prompt_is_computed_once(index):
     prompt = list(range(10))
     assert run_request(kv, "a", prompt) == 0
     assert kv.num_cached_blocks == 2
-    assert kv.match_prefix("b", prompt) == 8
+    assert hold(kv, "b", prompt) == 8
     assert kv.block_table("b") == kv.block_table("a")[:2]
     assert kv.allocate("b", 10)
     assert kv.block_table("b")[2] != kv.block_table("a")[2]
@@ -132,19 +139,38 @@ def test_a_fully_cached_prompt_still_computes_its_last_token(index):
     kv = KVCacheManager(16, 4, prefix_index=index)
     prompt = list(range(8))
     run_request(kv, "a", prompt)
-    assert kv.match_prefix("b", prompt) == 4
-    assert kv.match_prefix("c", prompt + [99]) == 8
+    assert hold(kv, "b", prompt) == 4
+    assert hold(kv, "c", prompt + [99]) == 8
+
+
+def computed_and_left(index, prompt):
+    """A pool of 4 blocks of 4 after request "a" computed ``prompt`` and left: its full blocks stay
+    cached, held by nobody."""
+    kv = KVCacheManager(4, 4, prefix_index=index)
+    run_request(kv, "a", prompt)
+    kv.free("a")
+    return kv
 
 
 @pytest.mark.parametrize("index", INDEXES)
 def test_freed_blocks_keep_their_key_until_reused(index):
-    kv = KVCacheManager(4, 4, prefix_index=index)
     prompt = list(range(13))
-    run_request(kv, "a", prompt)
-    kv.free("a")
+    kv = computed_and_left(index, prompt)
     assert (kv.num_free_blocks, kv.num_cached_blocks, kv.num_used_blocks) == (4, 3, 0)
-    assert kv.match_prefix("b", prompt) == 12
+    assert hold(kv, "b", prompt) == 12
     assert (kv.num_free_blocks, kv.num_used_blocks) == (1, 3)
+
+
+@pytest.mark.parametrize("index", INDEXES)
+def test_a_prefix_that_leaves_too_few_blocks_is_refused_and_nothing_changes(index):
+    prompt = list(range(13))
+    kv = computed_and_left(index, prompt)
+    assert kv.allocate("c", 4)  # the free block: the three cached ones stay evictable
+    prefix = kv.cached_prefix(prompt + [99])
+    assert len(prefix) == 3 and kv.num_free_blocks == 3  # the prefix alone fits, one more block does not
+    assert not kv.allocate("b", 14, prefix)
+    assert "b" not in kv and (kv.num_free_blocks, kv.num_cached_blocks) == (3, 3)
+    assert kv.allocate("b", 12, prefix) and kv.num_free_blocks == 0
 
 
 @pytest.mark.parametrize("index", INDEXES)
@@ -160,7 +186,7 @@ def test_eviction_takes_free_blocks_first_then_cached_tail_first(index):
     assert kv.allocate("d", 4)
     assert kv.block_table("d") == [a_blocks[2]]  # a's tail block goes first
     assert kv.num_cached_blocks == 2
-    assert kv.match_prefix("b", prompt) == 8
+    assert hold(kv, "b", prompt) == 8
 
 
 @pytest.mark.parametrize("index", INDEXES)
@@ -172,8 +198,8 @@ def test_the_least_recently_used_prompt_is_evicted_first(index):
     kv.free("old")
     kv.free("new")
     assert kv.allocate("c", 8)
-    assert kv.match_prefix("x", old + [0]) == 0
-    assert kv.match_prefix("y", new + [0]) == 8
+    assert hold(kv, "x", old + [0]) == 0
+    assert hold(kv, "y", new + [0]) == 8
 
 
 @pytest.mark.parametrize("index", INDEXES)
@@ -181,7 +207,7 @@ def test_blocks_computed_twice_are_deduplicated_on_commit(index):
     kv = KVCacheManager(8, 4, prefix_index=index)
     prompt = list(range(9))
     for name in ("a", "b"):  # both start before either has committed
-        assert kv.match_prefix(name, prompt) == 0
+        assert hold(kv, name, prompt) == 0
         assert kv.allocate(name, len(prompt))
     assert kv.num_used_blocks == 6
     kv.commit("a", prompt)
@@ -270,7 +296,9 @@ class Workload:
     def admit(self, prompt: list[int]) -> None:
         request_id = f"r{self.next_id}"
         self.next_id += 1
-        hits = self.kv.match_prefix(request_id, prompt)
+        prefix = self.kv.cached_prefix(prompt)
+        hits = len(prefix) * BLOCK_SIZE
+        assert self.kv.allocate(request_id, hits, prefix)  # holding cached blocks always fits
         assert hits % BLOCK_SIZE == 0 and 0 <= hits < len(prompt)
         self.hits.append(hits)
         self.tokens[request_id], self.computed[request_id] = list(prompt), hits

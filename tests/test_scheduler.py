@@ -9,23 +9,29 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minillm.engine.config import ModelConfig
 from minillm.engine.engine_config import EngineConfig
-from minillm.engine.paging import KVCacheManager
+from minillm.engine.paged_cache import PagedKVCache
 from minillm.engine.request import Request, RequestStatus
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.scheduler import SCHEDULERS
 
 EOS = 2
 TOKEN = 7  # what the fake model samples unless told otherwise
+SPECK = ModelConfig(name="speck", model_type="llama", vocab_size=16, hidden_size=1, intermediate_size=1,
+                    num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1, max_position_embeddings=1 << 20)
 
 
 def make(num_blocks=64, block_size=4, static=False, num_cpu_blocks=0, eos_token_ids=(),
          prefix_caching=True, **settings):
-    """A scheduler over a pool of ``num_blocks`` blocks; ``settings`` are EngineConfig's."""
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+    """A scheduler over a pool of ``num_blocks`` blocks (of a one-element KV cache, the tensors are
+    not what it tests); ``settings`` are EngineConfig's."""
     settings.setdefault("max_model_len", num_blocks * block_size)
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks,
-                          scheduling="static" if static else "continuous", **settings)
+                          scheduling="static" if static else "continuous", enable_prefix_caching=prefix_caching,
+                          **settings).resolved(SPECK.max_position_embeddings, block_size)
+    kv = PagedKVCache(SPECK, num_blocks, block_size, enable_prefix_caching=prefix_caching,
+                      max_model_len=config.max_model_len, num_cpu_blocks=config.num_cpu_blocks)
     return SCHEDULERS[config.scheduling](kv, config, eos_token_ids)
 
 
@@ -126,7 +132,7 @@ def test_preempt_recompute_takes_the_newest_and_requeues_it_first():
     # new is recomputed with its generated token: 8 prompt + 1 output in one piece
     assert ("new", 9) in [entry for entries in log for entry in entries]
     assert new.num_preemptions >= 1
-    assert s.kv.num_free_blocks == s.kv.num_blocks
+    assert s.kv.manager.num_free_blocks == s.kv.num_blocks
 
 
 def test_preempt_swap_copies_blocks_out_and_back():
@@ -134,7 +140,7 @@ def test_preempt_swap_copies_blocks_out_and_back():
     s.add_request(req("old", 8, max_tokens=8))
     s.add_request(req("new", 8, max_tokens=8))
     step(s)
-    new_blocks = s.kv.block_table("new")
+    new_blocks = s.kv.manager.block_table("new")
     out = step(s)
     assert [r.request_id for r in out.preempted] == ["new"]
     assert [gpu for gpu, _ in out.blocks_to_swap_out] == new_blocks[:2]
@@ -148,7 +154,7 @@ def test_preempt_swap_copies_blocks_out_and_back():
         if out.blocks_to_swap_in:
             assert ("new", 1) in [(r.request_id, n) for r, n in out.scheduled]  # no recompute
     assert [cpu for cpu, _ in swapped_in] == cpu_blocks
-    assert s.cpu_kv.num_free_blocks == 4 and s.kv.num_free_blocks == 4
+    assert s.kv.swap_pool.num_free == 4 and s.kv.manager.num_free_blocks == 4
 
 
 def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_full():
@@ -160,7 +166,7 @@ def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_full():
     assert out.preempted and not out.blocks_to_swap_out
     assert s.requests["new"].num_computed_tokens == 0 and not s.requests["new"].swapped_out
     run(s)
-    assert s.kv.num_free_blocks == 4 and s.cpu_kv.num_free_blocks == 1
+    assert s.kv.manager.num_free_blocks == 4 and s.kv.swap_pool.num_free == 1
 
 
 def test_prefix_hit_skips_the_cached_blocks():
@@ -274,7 +280,7 @@ def test_abort_frees_everything(where):
     with pytest.raises(ValueError, match="unknown"):
         s.abort("new")
     run(s)
-    assert s.kv.num_free_blocks == 4 and s.cpu_kv.num_free_blocks == 4
+    assert s.kv.manager.num_free_blocks == 4 and s.kv.swap_pool.num_free == 4
 
 
 @settings(max_examples=400, deadline=None)
@@ -297,7 +303,7 @@ def test_every_request_finishes_with_the_same_tokens_and_every_block_returns(
     s = make(num_blocks, block_size, static, num_cpu_blocks=num_blocks, prefix_caching=prefix_caching,
              max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
              preemption_mode=mode)
-    kv = s.kv
+    kv = s.kv.manager
     requests = []
     for i, (prompt_len, max_tokens, family) in enumerate(specs):
         requests.append(req(str(i), prompt_len, max_tokens, first_token=100 * family))
@@ -324,6 +330,6 @@ def test_every_request_finishes_with_the_same_tokens_and_every_block_returns(
                     for k in range(r.params.max_tokens)]
         assert r.output_token_ids == expected
     assert num_preemptions == sum(r.num_preemptions for r in requests)
-    assert kv.num_free_blocks == num_blocks
-    if s.cpu_kv is not None:
-        assert s.cpu_kv.num_free_blocks == num_blocks
+    assert kv.num_free_blocks == num_blocks and not s.kv.request_ids
+    if s.kv.swap_pool is not None:
+        assert s.kv.swap_pool.num_free == num_blocks

@@ -24,9 +24,6 @@ from minillm.engine.recorder import Recorder
 from minillm.engine.request import Request, RequestOutput
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.scheduler import SCHEDULERS
-from minillm.engine.units import GiB
-
-SWAP_SPACE_BYTES = 4 * GiB  # default CPU pool for swap preemption (vLLM's swap_space default)
 
 
 class LLMEngine:
@@ -46,21 +43,15 @@ class LLMEngine:
         _check_device(config, device)
         self.model = _load(model, device, dtype, weights, config)
         self.tokenizer = getattr(self.model, "tokenizer", None)
-        self.memory_plan = None
-        if config.num_kv_blocks is None:
-            self.memory_plan = plan(self.model, engine_config=config)
-            config = config.replace(num_kv_blocks=self.memory_plan.num_blocks,
-                                    max_model_len=self.memory_plan.max_model_len)
-        self.config = _resolve(config, self.model)
-        model_config = self.model.config
+        self.memory_plan = plan(self.model, engine_config=config) if config.num_kv_blocks is None else None
+        model_config, kv_dtype = self.model.config, kv_storage_dtype(config.kv_cache_dtype, self.model.dtype)
+        bytes_per_block = config.block_size * kv_bytes_per_token(model_config, kv_dtype)
+        self.config = config = config.resolved(model_config.max_position_embeddings, bytes_per_block, self.memory_plan)
         self.kv_cache = PagedKVCache(
-            model_config, self.config.num_kv_blocks, self.config.block_size,
-            kv_storage_dtype(self.config.kv_cache_dtype, self.model.dtype),
-            self.model.device, enable_prefix_caching=self.config.enable_prefix_caching,
-            prefix_index=self.config.prefix_index, max_model_len=self.config.max_model_len,
-            num_cpu_blocks=self.config.num_cpu_blocks)
-        self.scheduler = SCHEDULERS[self.config.scheduling](
-            self.kv_cache.manager, self.config, model_config.eos_token_ids)
+            model_config, config.num_kv_blocks, config.block_size, kv_dtype, self.model.device,
+            enable_prefix_caching=config.enable_prefix_caching, prefix_index=config.prefix_index,
+            max_model_len=config.max_model_len, num_cpu_blocks=config.num_cpu_blocks)
+        self.scheduler = SCHEDULERS[config.scheduling](self.kv_cache, config, model_config.eos_token_ids)
         self.runner = ModelRunner(self.model, self.kv_cache, self.config)
         self.recorder = Recorder(log_limit)
         self._t0 = time.perf_counter()
@@ -198,27 +189,6 @@ class LLMEngine:
         """:meth:`snapshot` with this run's counters (since :meth:`reset_metrics`) in place of the
         totals, and the run's step log."""
         return {**self.snapshot(), **self.recorder.counters(), "steps": list(self.recorder.steps)}
-
-
-def _resolve(config: EngineConfig, model: Transformer) -> EngineConfig:
-    """The settings with every default decided and checked against the model and the pool."""
-    model_config = model.config
-    max_model_len = config.max_model_len
-    if max_model_len is None or max_model_len == -1:  # as long as the model and the pool allow
-        max_model_len = min(model_config.max_position_embeddings, config.pool_tokens)
-    if max_model_len > model_config.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                         f"max_position_embeddings={model_config.max_position_embeddings}")
-    if not 2 <= max_model_len <= config.pool_tokens:
-        raise ValueError(f"max_model_len must be in [2, {config.pool_tokens}] (the KV pool holds "
-                         f"{config.num_kv_blocks} blocks x {config.block_size} tokens), got {max_model_len}")
-    num_cpu_blocks = 0
-    if config.preemption_mode == "swap":  # default: the whole GPU pool, at most SWAP_SPACE_BYTES
-        bytes_per_block = config.block_size * kv_bytes_per_token(
-            model_config, kv_storage_dtype(config.kv_cache_dtype, model.dtype))
-        num_cpu_blocks = (min(config.num_kv_blocks, SWAP_SPACE_BYTES // bytes_per_block)
-                          if config.num_cpu_blocks is None else config.num_cpu_blocks)
-    return config.replace(max_model_len=max_model_len, num_cpu_blocks=num_cpu_blocks)
 
 
 FP8_MIN_CAPABILITY = (8, 9)  # e4m3 in Triton (fp8e4nv): Ada and Hopper on, not Ampere

@@ -1,8 +1,9 @@
 """The engine's settings, validated once (chapters 一张 24 GiB 的卡放 8B 模型, 分页的 KV cache, 调度).
 
 ``LLM(...)`` and ``LLMEngine(...)`` take these as keyword arguments and build one ``EngineConfig``;
-the planner, the scheduler and the model runner all read that object and check nothing again.
-Pure Python, so a bad setting is refused before torch allocates anything.
+once the model is loaded (and the planner has sized the pool), :meth:`EngineConfig.resolved`
+decides every default left in one copy, which the scheduler and the model runner read and check
+nothing again. Pure Python, so a bad setting is refused before torch allocates anything.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import dataclasses
 import numbers
 from dataclasses import dataclass
 
-from minillm.engine.units import parse_size
+from minillm.engine.units import GiB, parse_size
 
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULINGS = ("continuous", "static")
@@ -18,11 +19,18 @@ PREFIX_INDEXES = ("hash", "radix")
 QUANTIZATIONS = (None, "int8", "int4")  # weight-only (minillm.engine.quantization)
 GROUP_SIZES = (32, 128)  # int4's groups along the input dimension
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the model's dtype; "fp8": e4m3, one byte per element
+SWAP_SPACE_BYTES = 4 * GiB  # default CPU pool for swap preemption (vLLM's swap_space default)
 
 
 def check_positive_int(name: str, value) -> None:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_max_model_len(max_model_len: int | None, max_position_embeddings: int) -> None:
+    if max_model_len is not None and max_model_len > max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len:,} exceeds the model's "
+                         f"max_position_embeddings={max_position_embeddings:,}")
 
 
 def check_choice(name: str, value, choices: tuple[str, ...]) -> None:
@@ -89,6 +97,25 @@ class EngineConfig:
     def replace(self, **changes) -> "EngineConfig":
         """A copy with some settings changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def resolved(self, max_position_embeddings: int, kv_bytes_per_block: int, memory_plan=None) -> "EngineConfig":
+        """The copy with every default decided and checked against the model and the pool: the pool
+        and ``max_model_len`` from ``memory_plan`` when the planner sized it (else None or -1: as long as
+        the positions and the pool allow); ``num_cpu_blocks`` None: a swap pool as large as the KV pool,
+        at most ``SWAP_SPACE_BYTES``; 0 without swap preemption."""
+        num_kv_blocks, max_model_len = ((memory_plan.num_blocks, memory_plan.max_model_len) if memory_plan
+                                        else (self.num_kv_blocks, self.max_model_len))
+        pool_tokens = num_kv_blocks * self.block_size
+        if max_model_len is None or max_model_len == -1:
+            max_model_len = min(max_position_embeddings, pool_tokens)
+        check_max_model_len(max_model_len, max_position_embeddings)
+        if not 2 <= max_model_len <= pool_tokens:
+            raise ValueError(f"max_model_len must be in [2, {pool_tokens}] (the KV pool holds "
+                             f"{num_kv_blocks} blocks x {self.block_size} tokens), got {max_model_len}")
+        num_cpu_blocks = 0 if self.preemption_mode != "swap" else (
+            min(num_kv_blocks, SWAP_SPACE_BYTES // kv_bytes_per_block) if self.num_cpu_blocks is None
+            else self.num_cpu_blocks)
+        return self.replace(num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, num_cpu_blocks=num_cpu_blocks)
 
     @property
     def pool_tokens(self) -> int:

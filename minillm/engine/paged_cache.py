@@ -1,24 +1,22 @@
 """The paged KV cache (chapter 分页的 KV cache): blocks of ``block_size`` tokens, handed out as a
-request grows.
+request grows; the one object the scheduler asks to allocate, free, swap and look prompts up.
 
-The bookkeeping (which blocks a request holds, the prefix cache) is the pure-Python
-:class:`~minillm.engine.paging.KVCacheManager`, which the scheduler drives. This class adds the
-tensors: the blocks themselves, an optional CPU pool that preempted requests swap into, and the
-block tables the kernels read. Those tables are kept in one persistent host buffer, a row per
-request, and each step writes only the entries that changed since the last (usually none, or the
-one block a decode just opened), so building a step costs the host per request, not per token or
-per block.
+The block bookkeeping is the pure-Python :class:`~minillm.engine.paging.KVCacheManager`; this class
+adds the tensors (the blocks, the pinned swap pool beside its bookkeeping) and the block tables the
+kernels read, one persistent host buffer: a row is claimed when a request first gets blocks and
+returned when it frees them, and each step writes only the entries that changed since the last
+(usually none, or the one block a decode just opened), so a step costs the host per request.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from minillm.engine.config import ModelConfig
 from minillm.engine.kv_cache import KVCache
-from minillm.engine.paging import KVCacheManager
-from minillm.engine.paging.kv_cache_manager import RequestBlocks
+from minillm.engine.paging import BlockPool, KVCacheManager
 from minillm.engine.units import ceil_div
 
 MIN_TABLE_ROWS = 64
@@ -26,7 +24,6 @@ MIN_TABLE_ROWS = 64
 
 @dataclass(eq=False)
 class _TableRow:
-    owner: RequestBlocks  # the manager's record this row mirrors
     row: int
     written: int = 0  # leading entries written
     stable: int = 0  # leading entries that cannot change any more (committed blocks)
@@ -36,8 +33,8 @@ class PagedKVCache(KVCache):
     """``num_blocks`` blocks of ``block_size`` tokens shared by all requests.
 
     ``max_model_len`` bounds a request's block table (default: the whole pool).
-    ``num_cpu_blocks``: the host pool that ``swap`` copies preempted requests' blocks into (pinned
-    memory on CUDA, so the copies run at the host link's speed).
+    ``num_cpu_blocks``: the swap pool that preempted requests' blocks are copied into (pinned
+    memory on CUDA, so the copies run at the host link's speed); 0: preemption recomputes.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
@@ -49,20 +46,41 @@ class PagedKVCache(KVCache):
         on_cuda = self.device.type == "cuda"
         # Block-major, [num_cpu_blocks, L, 2, block_size, n_kv, d]: each block is one contiguous
         # piece of (pinned) host memory that a copy reaches directly, with no staging buffer.
-        self.cpu_kv = (torch.zeros((num_cpu_blocks, *self.kv.shape[:2], *self.kv.shape[3:]), dtype=dtype,
-                                   pin_memory=on_cuda) if num_cpu_blocks else None)
+        self.swap_kv = (torch.zeros((num_cpu_blocks, *self.kv.shape[:2], *self.kv.shape[3:]), dtype=dtype,
+                                    pin_memory=on_cuda) if num_cpu_blocks else None)
+        self.swap_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
+        self._swapped: dict[str, list[int]] = {}  # request id -> its blocks in the swap pool
         self.table_width = ceil_div(max_model_len, block_size) if max_model_len else num_blocks
         self._table = torch.zeros(MIN_TABLE_ROWS, self.table_width, dtype=torch.int32, pin_memory=on_cuda)
         self._table_entries = self._table.numpy()  # the same memory, for cheap element writes
-        self._rows: dict[str, _TableRow] = {}
+        self._rows: dict[str, _TableRow] = {}  # a row for each request that holds blocks
         self._free_rows = list(range(MIN_TABLE_ROWS - 1, -1, -1))
 
-    # -- the KVCache interface, on the manager --------------------------------------------------
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.manager.allocate(request_id, num_tokens)
+    # -- room: the KVCache interface and the prefix cache -------------------------------------------
+    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """The cached blocks a prompt starts with, to pass to its first :meth:`allocate`."""
+        return self.manager.cached_prefix(token_ids)
+
+    def allocate(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """Room for ``num_tokens`` tokens in total (a new request may start with ``prefix``);
+        False, changing nothing, when the pool is short."""
+        new = request_id not in self.manager
+        if not self.manager.allocate(request_id, num_tokens, prefix):
+            return False
+        if new:
+            self._rows[request_id] = _TableRow(self._take_row())
+        return True
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """The request's KV is computed for ``token_ids``: its new full blocks join the prefix cache."""
+        self.manager.commit(request_id, token_ids)
 
     def free(self, request_id: str) -> None:
-        self.manager.free(request_id)
+        """Whatever the request holds goes back: its blocks and table row, its swapped-out blocks."""
+        if request_id in self.manager:
+            self.manager.free(request_id)
+            self._free_rows.append(self._rows.pop(request_id).row)
+        self._free_swapped(request_id)
 
     def num_tokens(self, request_id: str) -> int:
         return self.manager.num_tokens(request_id)
@@ -74,40 +92,69 @@ class PagedKVCache(KVCache):
     def request_ids(self) -> list[str]:
         return self.manager.request_ids
 
+    # -- swap preemption --------------------------------------------------------------------------
+    def swap_out(self, request_id: str, num_tokens: int) -> list[tuple[int, int]]:
+        """Preempt: the request's blocks go back to the pool. If the swap pool has room for the
+        blocks of its first ``num_tokens`` tokens, they move there: the (gpu_block, cpu_block)
+        pairs to copy are returned. ``[]``: nothing is kept, the request recomputes."""
+        gpu_blocks = self.manager.block_table(request_id)[:ceil_div(num_tokens, self.block_size)]
+        self.free(request_id)
+        if self.swap_pool is None or not 0 < len(gpu_blocks) <= self.swap_pool.num_free:
+            return []
+        cpu_blocks = self._swapped[request_id] = [self.swap_pool.allocate() for _ in gpu_blocks]
+        return list(zip(gpu_blocks, cpu_blocks))
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]]:
+        """After a swapped-out request is allocated again: the (cpu_block, gpu_block) pairs to copy
+        back; its swap pool blocks are free again."""
+        cpu_blocks = self._free_swapped(request_id)
+        return list(zip(cpu_blocks, self.manager.block_table(request_id)[:len(cpu_blocks)]))
+
+    def _free_swapped(self, request_id: str) -> list[int]:
+        cpu_blocks = self._swapped.pop(request_id, [])
+        for block in cpu_blocks:
+            self.swap_pool.decref(block)
+            self.swap_pool.free(block)
+        return cpu_blocks
+
+    def swap(self, blocks_out: list[tuple[int, int]], blocks_in: list[tuple[int, int]]) -> None:
+        """Copy (gpu_block, cpu_block) pairs to the swap pool, then (cpu_block, gpu_block) pairs back.
+
+        The GPU side is gathered into (or scattered from) one block-major buffer on the device;
+        each block then travels in one copy between it and its slot of the host pool."""
+        if blocks_out:
+            gpu, cpu = zip(*blocks_out)
+            staged = self.kv[:, :, list(gpu)].movedim(2, 0).contiguous()
+            for i, block in enumerate(cpu):
+                self.swap_kv[block].copy_(staged[i], non_blocking=True)
+        if blocks_in:
+            cpu, gpu = zip(*blocks_in)
+            staged = torch.empty((len(gpu), *self.swap_kv.shape[1:]), dtype=self.kv.dtype, device=self.device)
+            for i, block in enumerate(cpu):
+                staged[i].copy_(self.swap_kv[block], non_blocking=True)
+            self.kv[:, :, list(gpu)] = staged.movedim(0, 2)
+
+    # -- block tables -----------------------------------------------------------------------------
     def block_tables(self, request_ids: list[str]) -> torch.Tensor:
-        """Rows of the persistent table for these requests, cut to the widest of them."""
+        """Rows of the persistent table for these requests, cut to the widest of them; a row's
+        entries are written only where they changed since the last step (most steps: nowhere)."""
         rows, width = [], 1
         for request_id in request_ids:
-            owner, entry = self.manager.request_blocks(request_id), self._rows.get(request_id)
-            if (entry is None or entry.owner is not owner or len(owner.blocks) != entry.written
-                    or owner.num_committed_blocks != entry.stable):  # else: nothing changed (most steps)
-                entry = self._synced_row(request_id, owner, entry)
+            held, entry = self.manager.request_blocks(request_id), self._rows[request_id]
+            blocks = held.blocks
+            if len(blocks) != entry.written or held.num_committed_blocks != entry.stable:
+                if len(blocks) > self.table_width:
+                    raise ValueError(f"request {request_id!r} holds {len(blocks)} blocks, more than the "
+                                     f"{self.table_width} its table row has (max_model_len)")
+                start = min(entry.written, entry.stable)
+                self._table_entries[entry.row, start:len(blocks)] = blocks[start:]
+                entry.written, entry.stable = len(blocks), held.num_committed_blocks
             rows.append(entry.row)
             if entry.written > width:
                 width = entry.written
         return self._table[:, :width].index_select(0, torch.tensor(rows))
 
-    def _synced_row(self, request_id: str, owner: RequestBlocks, entry: _TableRow | None) -> _TableRow:
-        """The request's table row, with the entries written that changed since the last step."""
-        if entry is None or entry.owner is not owner:  # new, or freed and holding blocks afresh
-            if entry is not None:
-                self._free_rows.append(entry.row)
-            entry = self._rows[request_id] = _TableRow(owner, self._take_row())
-        blocks = owner.blocks
-        if len(blocks) > self.table_width:
-            raise ValueError(f"request {request_id!r} holds {len(blocks)} blocks, more than the "
-                             f"{self.table_width} its table row has (max_model_len)")
-        start = min(entry.written, entry.stable)
-        self._table_entries[entry.row, start:len(blocks)] = blocks[start:]
-        entry.written, entry.stable = len(blocks), owner.num_committed_blocks
-        return entry
-
     def _take_row(self) -> int:
-        if not self._free_rows:  # give back the rows of requests that no longer hold blocks
-            for request_id, entry in list(self._rows.items()):
-                if (request_id not in self.manager
-                        or self.manager.request_blocks(request_id) is not entry.owner):
-                    self._free_rows.append(self._rows.pop(request_id).row)
         if not self._free_rows:  # more requests hold blocks than there are rows: double the rows
             rows = self._table.shape[0]
             grown = torch.zeros(2 * rows, self.table_width, dtype=torch.int32,
@@ -116,21 +163,3 @@ class PagedKVCache(KVCache):
             self._table, self._table_entries = grown, grown.numpy()
             self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
         return self._free_rows.pop()
-
-    # -- swap preemption --------------------------------------------------------------------------
-    def swap(self, blocks_out: list[tuple[int, int]], blocks_in: list[tuple[int, int]]) -> None:
-        """Copy (gpu_block, cpu_block) pairs to the CPU pool, then (cpu_block, gpu_block) pairs back.
-
-        The GPU side is gathered into (or scattered from) one block-major buffer on the device;
-        each block then travels in one copy between it and its slot of the host pool."""
-        if blocks_out:
-            gpu, cpu = zip(*blocks_out)
-            staged = self.kv[:, :, list(gpu)].movedim(2, 0).contiguous()
-            for i, block in enumerate(cpu):
-                self.cpu_kv[block].copy_(staged[i], non_blocking=True)
-        if blocks_in:
-            cpu, gpu = zip(*blocks_in)
-            staged = torch.empty((len(gpu), *self.cpu_kv.shape[1:]), dtype=self.kv.dtype, device=self.device)
-            for i, block in enumerate(cpu):
-                staged[i].copy_(self.cpu_kv[block], non_blocking=True)
-            self.kv[:, :, list(gpu)] = staged.movedim(0, 2)

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minillm.engine.config import ModelConfig, load_config
 from minillm.engine.device import resolve_device
-from minillm.engine.engine_config import EngineConfig
+from minillm.engine.engine_config import EngineConfig, check_max_model_len
 from minillm.engine.kv_cache import kv_bytes_per_token, kv_storage_dtype
 from minillm.engine.loader import load_model, torch_dtype
 from minillm.engine.memory_plan import MemoryPlan
@@ -212,9 +212,7 @@ def plan(model, device=None, dtype=None, gpu_memory=None, engine_config: EngineC
     dtype = torch_dtype(dtype)
     cfg = (model.config if isinstance(model, Transformer) else
            model if isinstance(model, ModelConfig) else load_config(model))
-    if config.max_model_len is not None and config.max_model_len > cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len {config.max_model_len:,} exceeds the model's "
-                         f"max_position_embeddings {cfg.max_position_embeddings:,}")
+    check_max_model_len(config.max_model_len, cfg.max_position_embeddings)
 
     num_tokens = config.max_num_batched_tokens
     num_seqs = min(config.max_num_seqs, num_tokens)

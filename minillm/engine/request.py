@@ -99,7 +99,6 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (GPU pool)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    swapped_out: bool = False  # its KV waits in the CPU pool (swap preemption)
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at its first admission (vLLM's name)
     num_preemptions: int = 0
     metrics: RequestMetrics = field(init=False)
@@ -124,6 +123,11 @@ class Request:
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len:end - prompt_len]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
+
+    @property
+    def swapped_out(self) -> bool:
+        """Preempted with its KV kept (in the swap pool): recompute drops it all."""
+        return self.status is RequestStatus.PREEMPTED and self.num_computed_tokens > 0
 
     @property
     def num_uncomputed_tokens(self) -> int:

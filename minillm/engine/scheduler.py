@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from itertools import islice
 
 from minillm.engine.engine_config import EngineConfig
-from minillm.engine.paging import KVCacheManager
+from minillm.engine.paged_cache import PagedKVCache
 from minillm.engine.request import Request, RequestStatus
 
 ADMISSION_STOPS = ("kv_pool", "token_budget", "max_num_seqs", "static_batch")
@@ -60,17 +60,14 @@ class Scheduler:
     """Continuous batching: requests join and leave the running batch at every step.
 
     ``config`` is the engine's, resolved: ``num_kv_blocks`` and ``max_model_len`` are known and the
-    engine has checked them against the pool (``kv_manager``); ``num_cpu_blocks`` is the swap pool.
+    engine has checked them against the pool. ``kv_cache`` allocates, frees, swaps (when it has a
+    swap pool) and looks prompts up in the prefix cache; the scheduler asks it and keeps no blocks.
     """
 
-    def __init__(self, kv_manager: KVCacheManager, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()):
-        self.kv = kv_manager
+    def __init__(self, kv_cache: PagedKVCache, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()):
+        self.kv = kv_cache
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        # Swapped-out KV lives in a second pool, managed with the same block bookkeeping.
-        self.cpu_kv = (KVCacheManager(config.num_cpu_blocks, kv_manager.block_size,
-                                      enable_prefix_caching=False)
-                       if config.preemption_mode == "swap" and config.num_cpu_blocks else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -119,11 +116,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: str) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if request.request_id in self.kv:  # a waiting request holds no blocks
-            self.kv.free(request.request_id)
-        if request.swapped_out:
-            self.cpu_kv.free(request.request_id)
-            request.swapped_out = False
+        self.kv.free(request.request_id)  # whatever it holds, in the pool or swapped out
         del self.requests[request.request_id]
 
     # -- one step --------------------------------------------------------------------------------
@@ -158,34 +151,30 @@ class Scheduler:
                 index += 1
 
         # 2. Waiting requests, FCFS, until something stops admission (the reason is reported).
+        #    A request with no KV (new, or preempted by recompute) starts from its cached prefix.
         queries = cached_total = 0
         stop = None
-        while self.waiting and stop is None:
+        while self.waiting:
             stop = self._admission_blocked(budget, preempted)
             if stop is not None:
                 break
             request = self.waiting[0]
-            lookup = not request.swapped_out and request.num_computed_tokens == 0
-            num_cached = 0
-            if lookup:
-                num_cached = self.kv.match_prefix(request.request_id, request.all_token_ids)
-                request.num_computed_tokens = num_cached
-            num_new = self._num_new_tokens(request.num_uncomputed_tokens, budget)
-            if num_new == 0 or not self.kv.allocate(request.request_id,
-                                                    request.num_computed_tokens + num_new):
-                if lookup:  # give back the prefix blocks it matched
-                    self.kv.free(request.request_id)
-                    request.num_computed_tokens = 0
+            fresh = request.num_computed_tokens == 0
+            prefix = self.kv.cached_prefix(request.all_token_ids) if fresh else []
+            num_computed = request.num_computed_tokens + len(prefix) * self.kv.block_size
+            num_new = self._num_new_tokens(request.num_tokens - num_computed, budget)
+            if num_new == 0 or not self.kv.allocate(request.request_id, num_computed + num_new, prefix):
                 stop = "token_budget" if num_new == 0 else "kv_pool"
                 break
             self.waiting.popleft()
             if request.swapped_out:
-                swap_in += self._swap_in(request)
-            if lookup:
+                swap_in += self.kv.swap_in(request.request_id)
+            if fresh:
                 queries += request.num_tokens
-                cached_total += num_cached
+                cached_total += num_computed
             if request.status is RequestStatus.WAITING:  # its first admission
-                request.num_cached_tokens = num_cached
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append((request, num_new))
@@ -223,29 +212,15 @@ class Scheduler:
         return 0
 
     def _preempt(self, request: Request) -> list[tuple[int, int]]:
-        """Take a running request off the GPU pool; requeue it at the front of the waiting queue."""
+        """Take a running request off the GPU pool, to the swap pool if the cache has room there
+        (else it recomputes); requeue it at the front of the waiting queue."""
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
-        swap_out: list[tuple[int, int]] = []
-        num_blocks = -(-request.num_computed_tokens // self.kv.block_size)
-        if (self.cpu_kv is not None and num_blocks > 0
-                and self.cpu_kv.allocate(request.request_id, request.num_computed_tokens)):
-            gpu_blocks = self.kv.block_table(request.request_id)[:num_blocks]
-            swap_out = list(zip(gpu_blocks, self.cpu_kv.block_table(request.request_id)))
-            request.swapped_out = True
-        else:  # recompute (also the fallback when the CPU pool is full)
+        swap_out = self.kv.swap_out(request.request_id, request.num_computed_tokens)
+        if not swap_out:
             request.num_computed_tokens = 0
-        self.kv.free(request.request_id)
         self.waiting.appendleft(request)
         return swap_out
-
-    def _swap_in(self, request: Request) -> list[tuple[int, int]]:
-        """Pair the request's CPU blocks with its freshly allocated GPU blocks; free the CPU ones."""
-        cpu_blocks = self.cpu_kv.block_table(request.request_id)
-        gpu_blocks = self.kv.block_table(request.request_id)[:len(cpu_blocks)]
-        self.cpu_kv.free(request.request_id)
-        request.swapped_out = False
-        return list(zip(cpu_blocks, gpu_blocks))
 
     # -- after the forward pass ------------------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -291,8 +266,8 @@ class StaticBatchScheduler(Scheduler):
     """The baseline: take up to ``max_num_seqs`` waiting requests as one batch, run it to completion,
     and only then take the next batch (no request joins a batch in flight)."""
 
-    def __init__(self, kv_manager: KVCacheManager, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()):
-        super().__init__(kv_manager, config, eos_token_ids)
+    def __init__(self, kv_cache: PagedKVCache, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()):
+        super().__init__(kv_cache, config, eos_token_ids)
         self.batch: set[str] = set()  # ids of the batch in flight
 
     def _may_admit(self, request: Request) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 
 import torch
 
@@ -20,13 +19,13 @@ from minillm.engine.device import resolve_device
 from minillm.engine.engine_config import add_quantization_options
 from minillm.engine.kernels import default_backend, paged_decode_attention, store_kv
 from minillm.engine.kv_cache import kv_storage_dtype
-from minillm.engine.loader import TORCH_DTYPES, load_model, torch_dtype
+from minillm.engine.loader import load_model, torch_dtype
 from minillm.engine.model import Transformer
 from minillm.engine.paged_cache import PagedKVCache
 from minillm.engine.quantization import check_quantization, check_shapes
 from minillm.engine.units import ceil_div
 from minillm.lab import estimate as ledger
-from minillm.lab import records
+from minillm.lab.bench_cli import add_options, report
 from minillm.lab.hardware import describe_device, measure_seconds, probe_device
 
 WARMUP = 2  # untimed calls first: allocator, Triton compilation, caches
@@ -246,17 +245,6 @@ def format_decode(results: dict) -> str:
 
 # --- python -m minillm bench ... ----------------------------------------------------------------
 
-def _common_options() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--model", required=True, help="preset name or directory with config.json")
-    common.add_argument("--device", help="cpu or cuda (default: $MINILLM_DEVICE, else CUDA if present)")
-    common.add_argument("--dtype", choices=sorted(TORCH_DTYPES),
-                        help="default: the model's on CUDA, float32 on the CPU")
-    common.add_argument("--out", help="write the record to this JSON file, e.g. "
-                                      "data/measurements/h200-decode.json")
-    return common
-
-
 def paged_decode_batch(cfg, seq_lens, block_size: int, dtype, device, seed: int = 0):
     """One layer's decode batch on a paged cache (chapter 分页的 KV cache): blocks handed out
     round-robin as the requests grow, so each request's blocks are scattered over the pool, and K/V
@@ -331,60 +319,45 @@ def format_paged_decode(results: dict) -> str:
 
 
 def add_cli(subparsers) -> argparse._SubParsersAction:
-    """Register ``bench prefill|decode`` on the ``python -m minillm`` subparsers.
+    """Register ``bench prefill|decode|paged-decode`` on the ``python -m minillm`` subparsers.
 
     Returns the ``bench`` subcommands, so other benchmarks (``bench throughput``) can add theirs.
     """
     bench = subparsers.add_parser("bench", help="benchmarks that write JSON records")
     commands = bench.add_subparsers(dest="bench_command", required=True)
-    common = _common_options()
-    prefill = commands.add_parser("prefill", parents=[common], help="prefill time against prompt length")
+    prefill = commands.add_parser("prefill", help="prefill time against prompt length")
     prefill.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
     prefill.add_argument("--repeats", type=int, default=5)
-    prefill.set_defaults(func=run_cli)
-    decode = commands.add_parser("decode", parents=[common],
-                                 help="decode step time against batch size and context")
+    decode = commands.add_parser("decode", help="decode step time against batch size and context")
     decode.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     decode.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     decode.add_argument("--steps", type=int, default=10, help="timed steps per point")
     add_quantization_options(decode)
-    decode.set_defaults(func=run_cli)
-    paged = commands.add_parser("paged-decode", parents=[common],
-                                help="one layer's paged decode attention against contiguous SDPA")
+    paged = commands.add_parser("paged-decode", help="one layer's paged decode attention against contiguous SDPA")
     paged.add_argument("--batch", type=int, default=16)
     paged.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     paged.add_argument("--block-size", type=int, default=16)
     paged.add_argument("--repeats", type=int, default=5)
-    paged.set_defaults(func=run_cli)
+    for cmd in (prefill, decode, paged):
+        add_options(cmd, out="data/measurements/h200-decode.json")
+        cmd.set_defaults(func=run_cli)
     return commands
 
 
 def run_cli(args) -> int:
     """Run ``bench prefill``, ``decode`` or ``paged-decode``, print the table, write the record if ``--out``."""
-    try:
-        device = resolve_device(args.device)
-        params = {"model": args.model, "device": str(device), "dtype": args.dtype}
-        if args.bench_command == "prefill":
-            params.update(lengths=args.lengths, repeats=args.repeats)
-            results = bench_prefill(args.model, device, args.dtype, args.lengths, args.repeats)
-            print(format_prefill(results))
-        elif args.bench_command == "paged-decode":
-            params.update(batch=args.batch, contexts=args.contexts, block_size=args.block_size,
-                          repeats=args.repeats)
-            results = bench_paged_decode(args.model, device, args.dtype, args.batch, args.contexts,
-                                         args.block_size, args.repeats)
-            print(format_paged_decode(results))
-        else:
-            params.update(batches=args.batches, contexts=args.contexts, steps=args.steps,
-                          quantization=args.quantization, group_size=args.group_size,
-                          kv_cache_dtype=args.kv_cache_dtype)
-            results = bench_decode(args.model, device, args.dtype, args.batches, args.contexts,
-                                   args.steps, args.quantization, args.group_size, args.kv_cache_dtype)
-            print(format_decode(results))
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.out:
-        records.write(args.out, args.bench_command, params, results, device)
-        print(f"record written to {args.out}")
-    return 0
+    params = {"model": args.model, "dtype": args.dtype}
+    if args.bench_command == "prefill":
+        params.update(lengths=args.lengths, repeats=args.repeats)
+        return report(args, "prefill", params, lambda device: bench_prefill(
+            args.model, device, args.dtype, args.lengths, args.repeats), format_prefill)
+    if args.bench_command == "paged-decode":
+        params.update(batch=args.batch, contexts=args.contexts, block_size=args.block_size, repeats=args.repeats)
+        return report(args, "paged-decode", params, lambda device: bench_paged_decode(
+            args.model, device, args.dtype, args.batch, args.contexts, args.block_size, args.repeats),
+            format_paged_decode)
+    params.update(batches=args.batches, contexts=args.contexts, steps=args.steps, quantization=args.quantization,
+                  group_size=args.group_size, kv_cache_dtype=args.kv_cache_dtype)
+    return report(args, "decode", params, lambda device: bench_decode(
+        args.model, device, args.dtype, args.batches, args.contexts, args.steps, args.quantization,
+        args.group_size, args.kv_cache_dtype), format_decode)

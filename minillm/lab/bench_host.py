@@ -26,7 +26,7 @@ from minillm.engine.llm import LLM
 from minillm.engine.loader import load_model
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.units import ceil_div
-from minillm.lab import records
+from minillm.lab.bench_cli import add_options, report
 
 MEASURES = {  # what the record's numbers are
     "engine_seconds": "wall time of a decode step whose model forward is a no-op of the same interface "
@@ -220,22 +220,15 @@ def format_host(result: dict) -> str:
 def add_cli(bench_commands) -> None:
     """Register ``host`` on the ``bench`` subcommands."""
     cmd = bench_commands.add_parser("host", help="the engine's own Python time per decode step")
-    cmd.add_argument("--device", help="cpu or cuda (default: $MINILLM_DEVICE, else CUDA if present)")
+    add_options(cmd, model="llama-3.1-8b", dtype=None)  # whose launches are counted (and timed on CUDA)
     cmd.add_argument("--batch", type=int, default=256)
     cmd.add_argument("--ctx", type=int, default=1000)
     cmd.add_argument("--steps", type=int, default=40)
-    cmd.add_argument("--model", default="llama-3.1-8b", help="whose launches are counted (and, on CUDA, "
-                                                             "timed eager and with CUDA graphs)")
-    cmd.add_argument("--out", help="write the record to this JSON file")
     cmd.set_defaults(func=run_cli)
 
 
 def run_cli(args) -> int:
     """Print the split of a decode step's time; write the record if ``--out``."""
-    result = bench_host(args.device, args.batch, args.ctx, args.steps, args.model)
-    print(format_host(result))
-    if args.out:
-        params = {"batch": args.batch, "ctx": args.ctx, "steps": args.steps, "model": args.model}
-        records.write(args.out, "host", params, result, resolve_device(args.device))
-        print(f"record written to {args.out}")
-    return 0
+    params = {"batch": args.batch, "ctx": args.ctx, "steps": args.steps, "model": args.model}
+    return report(args, "host", params, lambda device: bench_host(device, args.batch, args.ctx, args.steps,
+                                                                  args.model), format_host)

@@ -23,7 +23,7 @@ from minillm.engine.memory_plan import MemoryPlan, MemoryPlanError
 from minillm.engine.planner import clamp_to_device, plan
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.units import ceil_div, parse_size
-from minillm.lab import records
+from minillm.lab.bench_cli import add_options, report
 from minillm.lab.estimate import memory_budget
 
 
@@ -121,9 +121,7 @@ def add_cli(bench_commands) -> None:
     """Register ``plan`` on the ``bench`` subcommands."""
     cmd = bench_commands.add_parser("plan", help="a card's memory plan, emulated, with the "
                                                  "concurrency the engine reaches")
-    cmd.add_argument("--model", default="llama-3.1-8b")
-    cmd.add_argument("--device", help="cpu or cuda (default: $MINILLM_DEVICE, else CUDA if present)")
-    cmd.add_argument("--dtype", default="bf16", choices=sorted(TORCH_DTYPES))
+    add_options(cmd, model="llama-3.1-8b", dtype="bf16")
     cmd.add_argument("--memory-limit", default="24GiB", help="the emulated card")
     cmd.add_argument("--util", type=float, default=0.92, help="gpu_memory_utilization")
     cmd.add_argument("--block-size", type=int, default=16)
@@ -131,7 +129,6 @@ def add_cli(bench_commands) -> None:
     cmd.add_argument("--max-num-seqs", type=int, default=256)
     cmd.add_argument("--contexts", type=int, nargs="*", default=[1024, 4096, 8192],
                      help="contexts at which the engine's concurrency is measured (none: skip)")
-    cmd.add_argument("--out", help="write the record to this JSON file")
     cmd.set_defaults(func=run_cli)
 
 
@@ -139,13 +136,12 @@ def run_cli(args) -> int:
     """Print the profiled plan; write the record if ``--out``."""
     engine_args = dict(gpu_memory_utilization=args.util, block_size=args.block_size,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
-    results = bench_plan(args.model, args.device, args.dtype, args.memory_limit, args.contexts,
-                         **engine_args)
-    for label, value in MemoryPlan.from_dict(results["plan"]).rows(args.contexts or (1024,)):
-        print(f"{label:<40} {value}")
-    if args.out:
-        params = {"model": args.model, "dtype": args.dtype, "memory_limit": args.memory_limit,
-                  "weights": "random", **engine_args, "contexts": args.contexts}
-        records.write(args.out, "plan", params, results, resolve_device(args.device))
-        print(f"record written to {args.out}")
-    return 0
+    params = {"model": args.model, "dtype": args.dtype, "memory_limit": args.memory_limit,
+              "weights": "random", **engine_args, "contexts": args.contexts}
+
+    def show(results: dict) -> str:
+        rows = MemoryPlan.from_dict(results["plan"]).rows(args.contexts or (1024,))
+        return "\n".join(f"{label:<40} {value}" for label, value in rows)
+
+    return report(args, "plan", params, lambda device: bench_plan(
+        args.model, device, args.dtype, args.memory_limit, args.contexts, **engine_args), show)

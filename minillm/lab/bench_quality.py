@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import torch
 
@@ -22,6 +21,7 @@ from minillm.engine.engine_config import add_quantization_options
 from minillm.engine.kv_cache import kv_storage_dtype
 from minillm.engine.loader import load_model
 from minillm.engine.model import Transformer
+from minillm.lab.bench_cli import add_options, report
 
 TEXT_SOURCE = "the Python Language Reference's help topics (pydoc_data.topics, PSF License 2.0)"
 DEFAULT_TOKENS = 4096
@@ -111,10 +111,8 @@ def format_quality(result: dict) -> str:
 def add_cli(bench_commands) -> None:
     cmd = bench_commands.add_parser("quality", help="perplexity and top-1 agreement of a quantized "
                                                     "model (or an fp8 KV cache) against the unquantized one")
-    cmd.add_argument("--model", default="smollm2-135m", help="a model with weights and a tokenizer "
-                                                             "(default smollm2-135m)")
+    add_options(cmd, model="smollm2-135m", dtype=None, out=None)  # a model with weights and a tokenizer
     add_quantization_options(cmd)
-    cmd.add_argument("--device", help="cpu or cuda (default: $MINILLM_DEVICE, else CUDA if present)")
     cmd.add_argument("--tokens", type=int, default=DEFAULT_TOKENS)
     cmd.add_argument("--window", type=int, default=WINDOW)
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
@@ -122,11 +120,6 @@ def add_cli(bench_commands) -> None:
 
 
 def run_cli(args) -> int:
-    try:
-        result = bench_quality(args.model, args.quantization, args.group_size, args.kv_cache_dtype,
-                               args.device, args.tokens, args.window)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(result) if args.json else format_quality(result))
-    return 0
+    return report(args, "quality", {}, lambda device: bench_quality(
+        args.model, args.quantization, args.group_size, args.kv_cache_dtype, device, args.tokens, args.window),
+        json.dumps if args.json else format_quality)

@@ -24,16 +24,16 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-import sys
 import time
 
 import torch
 
 from minillm.engine.device import resolve_device
 from minillm.engine.llm import LLM
-from minillm.engine.loader import TORCH_DTYPES, torch_dtype
+from minillm.engine.loader import torch_dtype
 from minillm.engine.units import ceil_div
-from minillm.lab import loadgen, records
+from minillm.lab import loadgen
+from minillm.lab.bench_cli import add_options, report
 from minillm.lab.workload import Workload
 from minillm.server.launcher import serve_in_background
 
@@ -181,10 +181,7 @@ def add_cli(bench_commands) -> None:
     """Register ``serve`` on the ``bench`` subcommands."""
     cmd = bench_commands.add_parser("serve", help="the HTTP server against the offline engine: "
                                                   "throughput ratio and added TTFT")
-    cmd.add_argument("--model", default="small", help="preset name or directory with config.json")
-    cmd.add_argument("--device", help="cpu or cuda (default: $MINILLM_DEVICE, else CUDA if present)")
-    cmd.add_argument("--dtype", choices=sorted(TORCH_DTYPES),
-                     help="default: the model's on CUDA, float32 on the CPU")
+    add_options(cmd, model="small")
     cmd.add_argument("--num-requests", type=int, default=32, help="the burst (throughput)")
     cmd.add_argument("--input-len", type=int, default=128)
     cmd.add_argument("--output-len", type=int, default=32)
@@ -197,26 +194,15 @@ def add_cli(bench_commands) -> None:
     cmd.add_argument("--threads", type=int, default=1, help="the engine's CPU threads on both sides "
                                                           "(default 1: a core left for HTTP and the clients)")
     cmd.add_argument("--seed", type=int, default=0)
-    cmd.add_argument("--out", help="write the record to this JSON file")
     cmd.set_defaults(func=run_cli)
 
 
 def run_cli(args) -> int:
     """Print both comparisons; write the record if ``--out``."""
-    try:
-        result = bench_serve(args.model, args.device, args.dtype, args.num_requests, args.input_len,
-                             args.output_len, args.latency_requests, args.latency_input_len,
-                             args.latency_output_len, args.repeats, args.threads,
-                             seed=args.seed)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(format_serve(result))
-    if args.out:
-        params = {k: getattr(args, k) for k in ("model", "dtype", "num_requests", "input_len",
-                                                "output_len", "latency_requests", "latency_input_len",
-                                                "latency_output_len", "repeats",
-                                                "threads", "seed")}
-        records.write(args.out, "serve", params, result, resolve_device(args.device))
-        print(f"record written to {args.out}")
-    return 0
+    params = {k: getattr(args, k) for k in ("model", "dtype", "num_requests", "input_len", "output_len",
+                                            "latency_requests", "latency_input_len", "latency_output_len",
+                                            "repeats", "threads", "seed")}
+    return report(args, "serve", params, lambda device: bench_serve(
+        args.model, device, args.dtype, args.num_requests, args.input_len, args.output_len,
+        args.latency_requests, args.latency_input_len, args.latency_output_len, args.repeats, args.threads,
+        seed=args.seed), format_serve)

@@ -15,7 +15,6 @@ them, and transformers gets the same ones; a preset runs with random weights at 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 
 import torch
@@ -26,7 +25,7 @@ from minillm.engine.llm import LLM
 from minillm.engine.loader import TORCH_DTYPES, checkpoint_weights, load_model
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.units import ceil_div
-from minillm.lab import records
+from minillm.lab.bench_cli import add_options, report
 from minillm.lab.hardware import describe_device
 from minillm.lab.workload import Workload, make_workload, random_prompts, throughput_workload
 
@@ -248,11 +247,7 @@ def add_cli(bench_commands) -> None:
     """Register ``throughput`` on the ``bench`` subcommands (``minillm.lab.bench.add_cli`` returns them)."""
     cmd = bench_commands.add_parser("throughput", help="offline throughput: minillm vs transformers, "
                                                        "B=1 and a mixed batch")
-    cmd.add_argument("--model", default="small", help="preset (smollm2-135m: real weights), .gguf file "
-                                                      "or directory with config.json")
-    cmd.add_argument("--device", help="cpu or cuda (default: $MINILLM_DEVICE, else CUDA if present)")
-    cmd.add_argument("--dtype", choices=sorted(TORCH_DTYPES),
-                     help="default: the model's on CUDA, float32 on the CPU")
+    add_options(cmd, model="small", out="data/measurements/h200-throughput.json")  # smollm2-135m: real weights
     cmd.add_argument("--num-requests", type=int, default=256)
     cmd.add_argument("--scale", type=float, help=f"shrink request count and lengths (default 1 on "
                                                  f"CUDA, {CPU_SCALE} on the CPU)")
@@ -262,29 +257,14 @@ def add_cli(bench_commands) -> None:
     cmd.add_argument("--num-kv-blocks", type=int, help="default: the planner (CPU: every request fits)")
     cmd.add_argument("--seed", type=int, default=0)
     cmd.add_argument("--minillm-only", action="store_true", help="skip transformers")
-    cmd.add_argument("--out", help="write the record to this JSON file, e.g. "
-                                   "data/measurements/h200-throughput.json")
     cmd.set_defaults(func=run_cli)
 
 
 def run_cli(args) -> int:
     """Run the benchmark, print both throughputs and the ratio, write the record if ``--out``."""
-    try:
-        device = resolve_device(args.device)
-        params = {"model": args.model, "device": str(device), "dtype": args.dtype,
-                  "num_requests": args.num_requests, "scale": args.scale,
-                  "hf_batch_size": args.hf_batch_size, "max_num_seqs": args.max_num_seqs,
-                  "max_num_batched_tokens": args.max_num_batched_tokens,
-                  "num_kv_blocks": args.num_kv_blocks, "seed": args.seed}
-        result = bench_throughput(
-            args.model, device, TORCH_DTYPES.get(args.dtype), args.scale, args.num_requests, args.seed,
-            args.hf_batch_size, args.max_num_seqs, args.max_num_batched_tokens, args.num_kv_blocks,
-            run_transformers=not args.minillm_only)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(format_throughput(result))
-    if args.out:
-        records.write(args.out, "throughput", params, result, device)
-        print(f"record written to {args.out}")
-    return 0
+    params = {k: getattr(args, k) for k in ("model", "dtype", "num_requests", "scale", "hf_batch_size",
+                                            "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "seed")}
+    return report(args, "throughput", params, lambda device: bench_throughput(
+        args.model, device, TORCH_DTYPES.get(args.dtype), args.scale, args.num_requests, args.seed,
+        args.hf_batch_size, args.max_num_seqs, args.max_num_batched_tokens, args.num_kv_blocks,
+        run_transformers=not args.minillm_only), format_throughput)

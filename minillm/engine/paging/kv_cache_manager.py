@@ -5,7 +5,7 @@ appended, so it never wastes more than one partly filled block. Token position `
 lives in slot ``block_table[p // block_size] * block_size + p % block_size`` of the flat cache.
 :class:`KVCacheManager` keeps the block tables over one :class:`BlockPool`, looks prompts up in a
 prefix index and caches their full blocks. It is pure bookkeeping: the tensors live in
-:class:`~minillm.engine.paged_cache.PagedKVCache`.
+:class:`~minillm.engine.paged_cache.PagedKVCache`, the one object the scheduler asks.
 """
 from __future__ import annotations
 
@@ -81,53 +81,49 @@ class KVCacheManager:
         return self.num_live_tokens / slots if slots else 0.0
 
     def __contains__(self, request_id: str) -> bool:
-        """Whether ``request_id`` holds a block table (matched or allocated, not yet freed)."""
+        """Whether ``request_id`` holds a block table (allocated, not yet freed)."""
         return request_id in self._requests
 
     # -- a request's life ---------------------------------------------------------------------------
-    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
-        """Before a request's first allocate: hold the cached full blocks its prompt starts with.
-
-        Returns how many tokens are already there: a multiple of ``block_size``, always less than
-        ``len(token_ids)`` so at least one token is computed (its logits are needed).
-        """
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} already holds blocks: match_prefix comes first")
+    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """The cached full blocks a prompt starts with, for its first :meth:`allocate` (a lookup:
+        nothing is held). They cover fewer tokens than ``token_ids`` has, so at least one token is
+        computed (its logits are needed)."""
         if len(token_ids) == 0:
-            raise ValueError(f"request {request_id!r}: token_ids is empty")
-        request = self._requests[request_id] = RequestBlocks()
+            raise ValueError("token_ids is empty")
         if self.index is None:
-            return 0
+            return []
         start = time.perf_counter()
         path = self.index.match(token_ids[:-1])
         self.prefix_lookup_seconds += time.perf_counter() - start
-        for block in path:
-            if self.pool.incref(block) == 1:
-                self.index.lock(block)
-        request.blocks = list(path)
-        request.num_tokens = len(path) * self.block_size
-        request.num_committed_blocks = len(path)
-        return request.num_tokens
+        return list(path)
 
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
-        """Make the request hold slots for ``num_tokens`` tokens in total.
+    def allocate(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """Make the request hold slots for ``num_tokens`` tokens in total; a request that holds
+        nothing yet may start with ``prefix``, the blocks :meth:`cached_prefix` found for it.
 
         Returns False, changing nothing, when too few blocks are free: a normal answer the
         scheduler acts on (wait, or preempt someone).
         """
         request = self._requests.get(request_id)
-        held = request.num_tokens if request else 0
+        if request is not None and prefix:
+            raise ValueError(f"request {request_id!r} already holds blocks: a prefix comes with the first allocate")
+        held = request.num_tokens if request else len(prefix) * self.block_size
         if not isinstance(num_tokens, int) or num_tokens < held:
             raise ValueError(f"request {request_id!r}: num_tokens must be an int >= the {held} "
                              f"tokens it holds, got {num_tokens!r}")
         if request is not None and num_tokens <= len(request.blocks) * self.block_size:
             request.num_tokens = num_tokens  # room in its last block: the common decode step
             return True
-        num_new_blocks = -(-num_tokens // self.block_size) - (len(request.blocks) if request else 0)
-        if num_new_blocks > self.num_free_blocks:
+        num_new_blocks = -(-num_tokens // self.block_size) - (len(request.blocks) if request else len(prefix))
+        revived = sum(1 for block in prefix if self.pool.ref_counts[block] == 0)  # leave the evictable ones
+        if num_new_blocks + revived > self.num_free_blocks:
             return False
         if request is None:
-            request = self._requests[request_id] = RequestBlocks()
+            request = self._requests[request_id] = RequestBlocks(list(prefix), num_committed_blocks=len(prefix))
+            for block in prefix:
+                if self.pool.incref(block) == 1:
+                    self.index.lock(block)
         shortfall = num_new_blocks - self.pool.num_free
         if shortfall > 0:  # reuse cached blocks nobody holds, least recently used first
             for block in self.index.evict(shortfall):
