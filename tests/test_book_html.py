@@ -441,7 +441,6 @@ NOT_YET = {
     "book/ch03-prefill.md", "notebooks/ch03-prefill.ipynb",
     "book/ch04-decode.md", "notebooks/ch04-decode.ipynb",
     "book/ch05-kvcache.md", "notebooks/ch05-kvcache.ipynb",
-    "book/ch09-serving.md", "notebooks/ch09-serving.ipynb",
     "book/ch11-diagnose.md", "notebooks/ch11-diagnose.ipynb",
 }
 ENGLISH_UI = ("Show code cell", "Hide code cell", "Skip to main content", "Back to top",
