@@ -22,7 +22,6 @@ NOT_YET = {
     "ch03-prefill",
     "ch04-decode",
     "ch05-kvcache",
-    "ch11-diagnose",
 }
 
 

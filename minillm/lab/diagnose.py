@@ -186,7 +186,7 @@ class Diagnosis:
             mbu = f" = {bat.mbu:.0%} of {bat.bandwidth / 1e9:,.0f} GB/s (MBU)" if bat.mbu is not None else ""
             lines.append(f"   decode steps read {bat.decode_bytes_per_s / 1e9:,.2f} GB/s{mbu}")
         if bat.prefill_flops_per_s is not None:
-            mfu = f" = {bat.mfu:.0%} of {bat.peak_flops / 1e12:,.1f} TFLOP/s (MFU)" if bat.mfu is not None else ""
+            mfu = f" = {bat.mfu:.0%} of {bat.peak_flops / 1e12:,.3f} TFLOP/s (MFU)" if bat.mfu is not None else ""
             lines.append(f"   prompt steps computed {bat.prefill_flops_per_s / 1e12:,.3f} TFLOP/s{mfu}")
         lines += ["", f"Wall: {self.wall} ({_WALL_TEXT[self.wall]})"]
         lines += [f"   - {line}" for line in self.evidence]

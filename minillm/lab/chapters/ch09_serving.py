@@ -174,15 +174,6 @@ def show_stream(stream: dict, offline_text: str):
     print(f"经过服务器的回答和同一进程里 lab.chat 的回答{same}；usage：{stream['usage']}")
 
 
-def show_wire(lines: list[str]):
-    """The raw SSE lines, marked as English (they are JSON)."""
-    import html
-
-    from IPython.display import HTML, display
-
-    display(HTML('<pre lang="en">' + html.escape("\n".join(lines)) + "</pre>"))
-
-
 def show_hang_up(hung: dict):
     """The gauges while the client streamed, and at each poll after it hung up."""
     from minillm.lab.report import show_table
@@ -360,6 +351,8 @@ def flood(server, sc: Scene) -> dict:
 
 def show_flood(result: dict):
     """How the flood ended, and one 503 as the client received it."""
+    from minillm.lab.report import show_english
+
     s = result["record"]["summary"]
     print(f"{s['num_requests']} 个请求：完成 {s['num_completed']} 个，出错 {s['num_errors']} 个，"
           f"按状态码 {s['errors_by_status'] or '（无）'}")
@@ -367,7 +360,7 @@ def show_flood(result: dict):
     print("手工同时打开的流里，" + (f"有一个得到 503，Retry-After: {hand['retry_after']}" if hand
                                    else "这一次没有一个得到 503"))
     if hand:
-        show_wire([hand["body"]])
+        show_english(hand["body"])
 
 
 # --- The closing table and the chapter's glue ----------------------------------------------------
