@@ -171,7 +171,9 @@ def show_stream(stream: dict, offline_text: str):
     show_table(["收到的时刻（从发出算起）", "这一块的文字", "finish_reason", "usage"], shown)
     show_answer(stream["text"])
     same = "一字不差" if stream["text"] == offline_text else "不一样"
-    print(f"经过服务器的回答和同一进程里 lab.chat 的回答{same}；usage：{stream['usage']}")
+    usage = stream["usage"]
+    print(f"经过服务器的回答和同一进程里 lab.chat 的回答{same}；用量：prompt {usage['prompt_tokens']} 个 token，"
+          f"回答 {usage['completion_tokens']} 个")
 
 
 def show_hang_up(hung: dict):
