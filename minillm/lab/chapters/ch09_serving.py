@@ -512,5 +512,6 @@ def glue_chapter(r: dict) -> None:
     g("flood_n", str(f["num_requests"]))
     g("flood_note", choose(
         rejected > 0,
-        f"{f['num_requests']} 个请求里，{f['num_completed']} 个完成，{rejected} 个当场得到 503。",
+        f"{f['num_requests']} 个请求里，{f['num_completed']} 个完成，{rejected} 个当场得到 503：被拒绝的请求拿到的是 503、"
+        "一个 Retry-After 头和一条写明原因的错误，而不是挂在那里直到超时。",
         f"这一次 {f['num_requests']} 个请求全都排上了队：引擎收得比请求来得快，队列没满过。"))
