@@ -247,10 +247,15 @@ def glue_chapter(r: dict) -> None:
     claim(small.batching.waited_steps["kv_pool"] > 0 and small.latency.num_aborted == 0,
           "in the small pool requests wait for KV blocks and every request still finishes")
     g("ceiling_source", "规格表" if lab.on_gpu else "本机机器档案")
-    over = [name for name, value in (("MFU", long_run.batching.mfu), ("MBU", heavy.batching.mbu)) if value and value > 1]
+    lb, hb = long_run.batching, heavy.batching
+    over = []
+    if lb.mfu and lb.mfu > 1:
+        over.append(f"算 prompt 的步实际达到 {lb.prefill_flops_per_s / 1e9:,.1f} GFLOP/s，高于上限 {lb.peak_flops / 1e9:,.1f} GFLOP/s")
+    if hb.mbu and hb.mbu > 1:
+        over.append(f"纯解码的步实际读了 {hb.decode_bytes_per_s / 1e9:,.1f} GB/s，高于上限 {hb.bandwidth / 1e9:,.1f} GB/s")
     g("ceiling_note", choose(
         not over, "两个利用率都在 100% 之下。",
-        f"其中 {'、'.join(over)} 超过了 100%：实测比它的上限还快，说明那个上限（机器档案里的一次探测）"
+        "利用率超过了 100%：" + "；".join(over) + "。实测比上限还快，说明那个上限（机器档案里的一次探测）"
         "对这种运算偏低，而不是引擎超常发挥；这时的利用率只能看相对高低。"))
 
     # the small pool, enlarged
