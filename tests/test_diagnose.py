@@ -29,7 +29,7 @@ SCENARIOS = {
     "small_pool": ([48] * 12, [48] * 12, dict(num_kv_blocks=16, max_model_len=256)),
 }
 EXPECTED = {"long_prompts": ("compute", "first_token"), "many_decodes": ("bandwidth", "tokens"),
-            "small_pool": ("capacity", "failure")}
+            "small_pool": ("capacity", "first_token")}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -108,19 +108,46 @@ def test_prompt_flops_and_decode_bytes_follow_the_ledger():
     assert batching.prefill_flops_per_s == pytest.approx(32 * prompt.flops)
     # decode steps 1..63 read contexts of 9..71 tokens (prompt 8 + outputs) for all 32 requests
     kv_tokens = 32 * sum(range(9, 72)) / 63
-    expected_bytes = ledger.weight_bytes(CONFIG, "fp32") + kv_tokens * ledger.kv_bytes_per_token(CONFIG, "fp32")
+    # the matmul weights (the input embedding is a lookup, not a read of the table)
+    weights = 4 * ledger.matmul_param_count(CONFIG)
+    assert weights == ledger.weight_bytes(CONFIG, "fp32") - 4 * (CONFIG.vocab_size * CONFIG.hidden_size
+                                                                  + ledger.param_breakdown(CONFIG)["norms"])
+    expected_bytes = weights + kv_tokens * ledger.kv_bytes_per_token(CONFIG, "fp32")
     assert batching.decode_bytes_per_s == pytest.approx(expected_bytes)
     assert batching.mbu == pytest.approx(expected_bytes / 1e9)
     assert batching.mfu == pytest.approx(32 * prompt.flops / 1e12)
 
 
 def test_the_wall_follows_where_the_busy_time_went():
-    """The same schedule, with the prompt step made to last longer than all decode steps: compute."""
+    """Without ceilings: the same schedule, its prompt step made to last longer than all decode
+    steps, is the compute wall, and the evidence says the prompt steps stood in."""
     record = record_of("many_decodes")
     first = record["stats"]["steps"][0]
     first["end"] = first["start"] + 10 * sum(s["end"] - s["start"] for s in record["stats"]["steps"])
     result = diagnose(record)
     assert result.wall == "compute" and result.batching.prefill_time_share > 0.9
+    assert result.batching.compute_bound_share is None and "stand in" in result.evidence[0]
+
+
+def test_the_wall_follows_the_roofline_of_each_step():
+    """With ceilings, each step's floor max(F/P, M/W) decides its side: 32 decodes of the tiny
+    model in fp32 do about 16 FLOP per byte (2 FLOPs per 4-byte weight for each of 32 tokens) and
+    the prompt step about 128: under a ridge of 30 FLOP/byte only the prompt step is compute-bound,
+    under a ridge of 1 every step is; the wall follows."""
+    record = record_of("many_decodes")
+    for i, step in enumerate(record["stats"]["steps"]):
+        step["start"], step["end"] = float(i), float(i + 1)
+    high_ridge = diagnose(record, bandwidth=1e9, peak_flops=3e10)
+    assert high_ridge.batching.compute_bound_share == pytest.approx(1 / 64)  # only the prompt step
+    assert high_ridge.wall == "bandwidth"
+    low_ridge = diagnose(record, bandwidth=1e9, peak_flops=1e9)
+    assert low_ridge.batching.compute_bound_share == 1.0 and low_ridge.wall == "compute"
+
+
+def test_preemption_is_not_failure():
+    small = diagnose(record_of("small_pool"))
+    assert small.latency.num_preemptions > 0 and small.latency.num_aborted == 0
+    assert small.symptom != "failure" and small.wall == "capacity"
 
 
 def test_an_aborted_request_is_a_failure():

@@ -22,8 +22,6 @@ NOT_YET = {
     "ch03-prefill",
     "ch04-decode",
     "ch05-kvcache",
-    "ch09-serving",
-    "ch11-diagnose",
 }
 
 

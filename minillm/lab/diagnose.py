@@ -5,7 +5,8 @@ JSON file ``records.save_run`` wrote) and answers three questions before anyone 
 framework:
 
 1. **Which kind of slow?** The first token (TTFT), the tokens after it (TPOT), or outright failure
-   (requests aborted, or thrown back by preemption again and again).
+   (requests that ended without their answer: aborted, or refused). A preempted request still
+   finishes: users see it as a slow first token or a stall, and the wall below says why.
 2. **Where does the memory go?** The ledger of weights, the KV pool and what is left, measured
    (the record's memory section) beside the estimate (``minillm.lab.estimate``).
 3. **Did batches form?** The batch of every step, how much of the TTFT was spent in the queue, and
@@ -15,10 +16,11 @@ From these it names the wall:
 
 - **capacity** when the KV pool ran out: any preemption, or requests left waiting in at least
   ``KV_BLOCKED_SHARE`` of the steps although the token budget and ``max_num_seqs`` had room;
-- else **compute** when computing prompts (prefill) took at least ``PREFILL_TIME_SHARE`` of the
-  engine's busy time;
-- else **bandwidth**: the engine spent its time on decode steps, each of which reads all weights
-  and every running request's KV.
+- else **compute** when steps whose floor ``max(F/P, M/W)`` is set by the compute ceiling took at
+  least ``COMPUTE_TIME_SHARE`` of the engine's busy time (F and M from the ledger, step by step;
+  P and W the device's ceilings). Without ceilings (a CPU record and none given) the steps that
+  computed prompts stand in for the compute-bound ones, and the evidence says so;
+- else **bandwidth**: the time went to steps bound by moving weights and KV.
 
 The numbers behind the verdict are kept on the :class:`Diagnosis` and printed by ``report()``.
 
@@ -47,8 +49,7 @@ from minillm.lab.records import CLIENT_RUN_FORMAT, load_client_run, load_record,
 SYMPTOMS = ("first_token", "tokens", "failure")
 WALLS = ("compute", "bandwidth", "capacity")
 KV_BLOCKED_SHARE = 0.1  # steps in which the KV pool kept requests waiting: capacity from here up
-PREFILL_TIME_SHARE = 0.5  # busy time spent on prompt tokens: compute from here up
-HEAVY_PREEMPTIONS_PER_REQUEST = 0.5  # preemptions per request that users see as failure
+COMPUTE_TIME_SHARE = 0.5  # busy time in compute-bound steps: compute from here up
 FIRST_TOKEN_SHARE = 0.5  # the wait before the first token, of end-to-end: first token slow from here up
 KV_FULL_SHARE = 0.9  # KV use from which requests left waiting mean the pool is the limit
 
@@ -105,7 +106,8 @@ class Batching:
     mean_queueing: float | None
     waited_steps: dict  # reason -> steps that ended with requests still waiting for that reason
     prefill_time_share: float  # busy time attributed to prompt tokens (mixed steps split by tokens)
-    decode_bytes_per_s: float | None  # weights + KV read per pure decode step / its duration
+    compute_bound_share: float | None  # busy time in steps whose floor is compute-bound (None: no ceilings)
+    decode_bytes_per_s: float | None  # matmul weights + KV read per pure decode step / its duration
     prefill_flops_per_s: float | None  # FLOPs of steps that carried prompt tokens / their duration
     bandwidth: float | None  # the ceilings compared against (spec row or caller's), B/s
     peak_flops: float | None  # FLOP/s
@@ -177,12 +179,14 @@ class Diagnosis:
                   f"(mean {fmt_seconds(bat.mean_queueing)})",
                   f"   steps that ended with requests waiting: {waited or 'none'}",
                   f"   busy time on prompts (prefill) {bat.prefill_time_share:.0%}, on decode "
-                  f"{1 - bat.prefill_time_share:.0%}"]
+                  f"{1 - bat.prefill_time_share:.0%}",
+                  f"   busy time in compute-bound steps (floor max(F/P, M/W)): "
+                  f"{fmt_or_dash(bat.compute_bound_share, '.0%')}"]
         if bat.decode_bytes_per_s is not None:
             mbu = f" = {bat.mbu:.0%} of {bat.bandwidth / 1e9:,.0f} GB/s (MBU)" if bat.mbu is not None else ""
             lines.append(f"   decode steps read {bat.decode_bytes_per_s / 1e9:,.2f} GB/s{mbu}")
         if bat.prefill_flops_per_s is not None:
-            mfu = f" = {bat.mfu:.0%} of {bat.peak_flops / 1e12:,.1f} TFLOP/s (MFU)" if bat.mfu is not None else ""
+            mfu = f" = {bat.mfu:.0%} of {bat.peak_flops / 1e12:,.3f} TFLOP/s (MFU)" if bat.mfu is not None else ""
             lines.append(f"   prompt steps computed {bat.prefill_flops_per_s / 1e12:,.3f} TFLOP/s{mfu}")
         lines += ["", f"Wall: {self.wall} ({_WALL_TEXT[self.wall]})"]
         lines += [f"   - {line}" for line in self.evidence]
@@ -193,7 +197,7 @@ class Diagnosis:
 
 
 _SYMPTOM_TEXT = {"first_token": "the first token (TTFT)", "tokens": "the tokens after the first (TPOT)",
-                 "failure": "outright failure (aborted or repeatedly preempted requests)"}
+                 "failure": "outright failure (requests that ended without their answer)"}
 _WAIT_TEXT = {"kv_pool": "KV blocks", "token_budget": "the token budget",
               "max_num_seqs": "max_num_seqs", "static_batch": "the static batch to finish"}
 _WALL_TEXT = {"compute": "prompts are computed at the matrix rate of the device",
@@ -287,7 +291,13 @@ def _batching(record: dict, cfg: ModelConfig, bandwidth, peak_flops) -> Batching
     for step in steps:
         if step["admission_stop"] is not None:
             waited[step["admission_stop"]] += 1
-    decode_rate, prefill_rate = _rates(record, cfg, durations)
+    ledgers = _step_ledgers(record, cfg)
+    decode = [(nbytes, d) for (flops, nbytes), s, d in zip(ledgers, steps, durations) if not s["num_prefill_tokens"]]
+    prefill = [(flops, d) for (flops, nbytes), s, d in zip(ledgers, steps, durations) if s["num_prefill_tokens"]]
+    compute_share = None
+    if bandwidth and peak_flops and busy > 0:
+        compute_share = sum(d for (flops, nbytes), d in zip(ledgers, durations)
+                            if ledger.roofline_floor(flops, nbytes, peak_flops, bandwidth).bound == "compute") / busy
     return Batching(
         num_steps=len(steps), busy_seconds=busy,
         mean_batch=statistics.fmean(s["batch_size"] for s in steps),
@@ -297,51 +307,52 @@ def _batching(record: dict, cfg: ModelConfig, bandwidth, peak_flops) -> Batching
         queueing_share_of_ttft=sum(r["queueing"] for r in queued) / ttft_sum if ttft_sum > 0 else None,
         mean_queueing=statistics.fmean(r["queueing"] for r in queued) if queued else None,
         waited_steps=waited, prefill_time_share=prefill_time / busy if busy > 0 else 0.0,
-        decode_bytes_per_s=decode_rate, prefill_flops_per_s=prefill_rate,
+        compute_bound_share=compute_share, decode_bytes_per_s=_rate(decode), prefill_flops_per_s=_rate(prefill),
         bandwidth=bandwidth, peak_flops=peak_flops)
 
 
-def _rates(record: dict, cfg: ModelConfig, durations: list[float]) -> tuple[float | None, float | None]:
-    """Bytes per second that pure decode steps read (weights + every request's KV) and FLOPs per
-    second of the steps that carried prompt tokens. Contexts are replayed from the step log: a
+def _rate(work: list[tuple[float, float]]) -> float | None:
+    """Work per second over (work, seconds) pairs; None without time."""
+    seconds = sum(d for _, d in work)
+    return sum(w for w, _ in work) / seconds if seconds > 0 else None
+
+
+def _step_ledgers(record: dict, cfg: ModelConfig) -> list[tuple[float, float]]:
+    """(FLOPs, bytes) of every step by the ledger: the layers for each scheduled token, causal
+    attention to its context, the output layer for each sampled token; the matmul weights read
+    once (the input embedding is a lookup of a few rows, not a read of the table) and the KV of
+    every scheduled request's context read or written. Contexts are replayed from the step log: a
     request's context grows by its scheduled tokens and restarts at 0 when it is preempted by
     recompute."""
     engine, memory = record["engine"], record["memory"]
     kv_per_token = memory["kv_bytes_per_block"] / engine["block_size"]
+    weights = ledger.matmul_param_count(cfg) * ledger.dtype_bytes(record["dtype"])
     layer_flops = ledger.matmul_flops_per_token(cfg) - ledger.output_layer_flops(cfg)
     attention_per_position = ledger.attention_flops_per_token(cfg, 1)
     computed: dict[str, int] = {}
-    decode_bytes = decode_time = prefill_flops = prefill_time = 0.0
-    for step, seconds in zip(record["stats"]["steps"], durations):
+    out = []
+    for step in record["stats"]["steps"]:
         if engine["preemption_mode"] == "recompute":
             for request_id in step["preempted"]:
                 computed[request_id] = 0
-        step_kv_tokens = 0
-        step_flops = step["num_sampled"] * ledger.output_layer_flops(cfg)  # logits only where sampled
+        kv_tokens = 0
+        flops = step["num_sampled"] * ledger.output_layer_flops(cfg)  # logits only where sampled
         for request_id, num_new in step["scheduled"]:
             before = computed.get(request_id, 0)
             computed[request_id] = before + num_new
-            step_kv_tokens += before + num_new
+            kv_tokens += before + num_new
             # new token j attends to before + j + 1 positions
-            step_flops += (num_new * layer_flops
-                           + attention_per_position * (num_new * before + num_new * (num_new + 1) // 2))
-        if step["num_prefill_tokens"]:
-            prefill_flops += step_flops
-            prefill_time += seconds
-        else:
-            decode_bytes += memory["weight_bytes"] + step_kv_tokens * kv_per_token
-            decode_time += seconds
-    return (decode_bytes / decode_time if decode_time > 0 else None,
-            prefill_flops / prefill_time if prefill_time > 0 else None)
+            flops += num_new * layer_flops + attention_per_position * (num_new * before + num_new * (num_new + 1) // 2)
+        out.append((flops, weights + kv_tokens * kv_per_token))
+    return out
 
 
 # --- The verdict ---------------------------------------------------------------------------------
 
 def _symptom(latency: Latency) -> str:
-    """Failure when requests were aborted or preempted heavily; else the larger part of the
-    average wait: before the first token (TTFT) or after it (the other tokens)."""
-    if latency.num_aborted or (latency.num_preemptions
-                               >= HEAVY_PREEMPTIONS_PER_REQUEST * latency.num_requests):
+    """Failure when requests ended without their answer (aborted, or refused on the client side);
+    else the larger part of the average wait: before the first token (TTFT) or after it."""
+    if latency.num_aborted:
         return "failure"
     if latency.first_token_share is not None and latency.first_token_share >= FIRST_TOKEN_SHARE:
         return "first_token"
@@ -363,11 +374,19 @@ def _wall(latency: Latency, memory: MemoryUse, batching: Batching) -> tuple[str,
                         f"{memory.requests_in_pool:.1f} average requests; peak use "
                         f"{memory.peak_kv_share:.0%}")
         return "capacity", evidence
-    if batching.prefill_time_share >= PREFILL_TIME_SHARE:
-        evidence.append(f"{batching.prefill_time_share:.0%} of the busy time computed prompt "
-                        f"tokens (prefill)")
+    if batching.compute_bound_share is not None:
+        compute = batching.compute_bound_share >= COMPUTE_TIME_SHARE
+        evidence.append(f"{batching.compute_bound_share:.0%} of the busy time went to steps whose floor "
+                        f"max(F/P, M/W) is set by the compute ceiling ({batching.peak_flops / 1e12:,.3f} "
+                        f"TFLOP/s against {batching.bandwidth / 1e9:,.1f} GB/s)")
+    else:
+        compute = batching.prefill_time_share >= COMPUTE_TIME_SHARE
+        evidence.append(f"{batching.prefill_time_share:.0%} of the busy time computed prompt tokens; no "
+                        f"ceilings were given (--bandwidth, --peak-tflops), so those steps stand in for "
+                        f"the compute-bound ones")
+    if compute:
         if batching.mfu is not None:
-            evidence.append(f"those steps ran at {batching.mfu:.0%} of the peak FLOP rate (MFU)")
+            evidence.append(f"the steps that computed prompts ran at {batching.mfu:.0%} of the peak FLOP rate (MFU)")
         if latency.first_token_share is not None:
             evidence.append(f"the wait before the first token is {latency.first_token_share:.0%} "
                             f"of the end-to-end time")

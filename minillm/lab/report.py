@@ -48,3 +48,12 @@ def show_answer(text: str):
     from IPython.display import HTML, display
 
     display(HTML(f'<blockquote lang="en">{html.escape(text).replace(chr(10), "<br/>")}</blockquote>'))
+
+
+def show_english(text: str):
+    """Verbatim English (a command's report, JSON on the wire) as a block marked ``lang="en"``."""
+    import html
+
+    from IPython.display import HTML, display
+
+    display(HTML(f'<pre lang="en">{html.escape(text)}</pre>'))

@@ -1,0 +1,506 @@
+"""The diagnosis chapter's plumbing (``book/ch11-diagnose.md``, ``notebooks/ch11-diagnose.ipynb``,
+chapter 先问瓶颈，再换框架).
+
+Two halves, out of the reader's way. The lab's: three serving scenarios built to hit one wall each,
+run, recorded (``records.save_run``) and read back by ``minillm.lab.diagnose``; their tables and
+figure in Chinese; :func:`glue_chapter`. The page's: the ledger of three techniques that break the
+book's defaults (mixture of experts, speculative decoding, tensor parallelism), every time a floor
+``max(F/P, M/W)`` on a datasheet's two ceilings (:func:`moe_steps`, :func:`speculation`,
+:func:`tensor_parallel`, and :func:`page_numbers`, which the page glues).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minillm.engine.config import ModelConfig, load_config
+from minillm.lab import estimate as L
+from minillm.lab.estimate import GB, GiB, KiB, Floor, fmt_int, roofline_floor
+from minillm.lab.gpus import lookup_gpu
+from minillm.lab.notebook import ms
+
+SYMPTOM_ZH = {"first_token": "首字慢", "tokens": "出字慢", "failure": "直接失败"}
+WALL_ZH = {"compute": "算力墙", "bandwidth": "带宽墙", "capacity": "容量墙"}
+BOUND_ZH = {"compute": "算力", "memory": "带宽"}
+BLOCK = 16
+
+
+# --- The lab: three scenarios, each built to hit one wall -----------------------------------------
+
+@dataclass(frozen=True)
+class Scenario:
+    title: str
+    inputs: tuple[int, ...]  # prompt lengths
+    output: int  # tokens each request generates
+    budget: int  # max_num_batched_tokens
+    pool: int | None  # KV pool tokens; None: room for every request at once
+
+    def pool_tokens(self) -> int:
+        from minillm.lab.notebook import room
+
+        return self.pool or room(self.inputs, self.output, BLOCK)
+
+
+def scenarios(on_gpu: bool) -> dict[str, Scenario]:
+    """Long prompts (compute), many decodes (bandwidth), a pool too small (capacity). On the CPU
+    lengths are a quarter and the decodes few: a tiny fp32 model's decode step is bandwidth-bound
+    only below a batch of about 5 on a CPU whose ridge is a few FLOP per byte."""
+    s = 1 if on_gpu else 4
+    decoders = 128 if on_gpu else 4
+    return {
+        "long_prompts": Scenario("长 prompt", (8192 // s,) * 3, 16 // s, 2048 // s, None),
+        "decode_heavy": Scenario("解码为主", (128 // s,) * decoders, 256 // s, 2048 // s, None),
+        "small_pool": Scenario("显存不够", (1024 // s,) * 12, 128 // s, 2048 // s, 3 * (1024 + 128) // s),
+    }
+
+
+def warm_up(lab) -> None:
+    """One untimed run: the first allocations and kernels are not any scenario's."""
+    from minillm import LLM
+    from minillm.lab.notebook import greedy
+
+    LLM(lab.model, num_kv_blocks=64).generate([[1] * 64] * 4, greedy(4), use_tqdm=False)
+
+
+def roomy(s: Scenario) -> Scenario:
+    """The same scenario with a KV pool that holds every request at once."""
+    from dataclasses import replace
+
+    return replace(s, pool=None)
+
+
+def ceilings(lab) -> dict:
+    """The ceilings MBU, MFU and each step's floor use: the spec row on a known GPU (diagnose's
+    default), this build's machine profile on the CPU."""
+    if lab.on_gpu:
+        return {}
+    return dict(bandwidth=lab.profile.copy_bandwidth, peak_flops=lab.profile.matmul_flops)
+
+
+def run_scenario(lab, s: Scenario, path, pool: int | None = None):
+    """Run ``s`` on the lab's model (``pool`` tokens of KV instead of the scenario's), save its
+    record at ``path`` and diagnose it."""
+    from minillm import LLM
+    from minillm.lab import records
+    from minillm.lab.diagnose import diagnose
+    from minillm.lab.workload import make_workload
+
+    llm = LLM(lab.model, num_kv_blocks=L.ceil_div(pool or s.pool_tokens(), BLOCK), block_size=BLOCK,
+              max_num_batched_tokens=s.budget, enable_prefix_caching=False)
+    make_workload(s.title, list(s.inputs), [s.output] * len(s.inputs), lab.config.vocab_size).run(llm)
+    return diagnose(records.save_run(llm, path), **ceilings(lab))
+
+
+def client_run(lab, s: Scenario, path):
+    """``s`` behind the HTTP server (the same pool and budget), sent by the load generator: the
+    client's run record saved at ``path`` and diagnosed."""
+    from minillm.lab import records
+    from minillm.lab.diagnose import diagnose_client
+    from minillm.lab.loadgen import run_load, serving_workload
+
+    work = serving_workload("burst", lab.config.vocab_size, len(s.inputs), input_len=s.inputs[0], output_len=s.output)
+    warm = serving_workload("burst", lab.config.vocab_size, 2, input_len=s.inputs[0], output_len=2, seed=9)
+    with lab.serve(block_size=BLOCK, num_kv_blocks=L.ceil_div(s.pool_tokens(), BLOCK),
+                   max_num_batched_tokens=s.budget) as server:
+        run_load(server.url, warm, progress=False, sample_interval=None)  # untimed: first allocations
+        record = run_load(server.url, work, progress=False, sample_interval=0.02)
+    return diagnose_client(records.save_client_run(record, path))
+
+
+def share(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0%}"
+
+
+def show_diagnoses(runs: dict, scene: dict):
+    """The three answers and the wall of each run, in Chinese (``python -m minillm diagnose``
+    prints the same in English)."""
+    from minillm.lab.report import show_table
+
+    rows = []
+    for name, d in runs.items():
+        lat, mem, bat = d.latency, d.memory, d.batching
+        rows.append([scene[name].title, SYMPTOM_ZH[d.symptom], share(lat.first_token_share),
+                     f"{mem.requests_in_pool:.1f}", share(mem.peak_kv_share),
+                     f"{bat.mean_decode_batch:.1f}" if bat.mean_decode_batch else "—",
+                     share(bat.queueing_share_of_ttft), f"{bat.waited_steps['kv_pool']} / {bat.num_steps}",
+                     lat.num_preemptions, share(bat.compute_bound_share), WALL_ZH[d.wall]])
+    show_table(["场景", "哪种慢", "首字前占端到端", "池子装几个平均请求", "KV 峰值", "平均解码批", "排队占 TTFT",
+                "因 KV 等待的步", "抢占", "受算力限制的步占忙碌时间", "墙"], rows)
+
+
+def plot_diagnoses(runs: dict, scene: dict):
+    """Left: the busy time by the side of the roofline each step's floor is on; right: what the
+    users' average wait was made of."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from minillm.lab.plotting import PALETTE
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.4, 3.6), sharey=True)
+    y = np.arange(len(runs))
+    compute = np.array([d.batching.compute_bound_share or 0.0 for d in runs.values()])
+    ax1.barh(y, compute, color=PALETTE[1], label="受算力限制的步")
+    ax1.barh(y, 1 - compute, left=compute, color=PALETTE[0], label="受带宽限制的步")
+    ax1.set_yticks(y, [f"{scene[n].title}\n→ {WALL_ZH[d.wall]}" for n, d in runs.items()])
+    ax1.invert_yaxis()
+    ax1.set_xlim(0, 1)
+    ax1.set_xlabel("引擎忙碌时间的占比")
+    ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncols=2)
+    left = np.zeros(len(runs))
+    for label, color, part in (("排队", "#BBBBBB", lambda d: d.batching.mean_queueing),
+                               ("调度后到首字", PALETTE[1], lambda d: d.latency.ttft["mean"] - d.batching.mean_queueing),
+                               ("首字之后", PALETTE[0], lambda d: d.latency.e2e["mean"] - d.latency.ttft["mean"])):
+        widths = np.array([part(d) / d.latency.e2e["mean"] for d in runs.values()])
+        ax2.barh(y, widths, left=left, color=color, label=label)
+        left += widths
+    ax2.set_xlim(0, 1)
+    ax2.set_xlabel("用户平均等待的构成")
+    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncols=3)
+    return fig
+
+
+def show_fixed(before, after):
+    """The small pool against a pool that holds everyone, the rest unchanged."""
+    from minillm.lab.report import show_table
+
+    show_table(["", "KV 池小", "KV 池够大"], [
+        ["墙", WALL_ZH[before.wall], WALL_ZH[after.wall]],
+        ["哪种慢", SYMPTOM_ZH[before.symptom], SYMPTOM_ZH[after.symptom]],
+        ["平均 TTFT", ms(before.latency.ttft["mean"]), ms(after.latency.ttft["mean"])],
+        ["平均 TPOT", ms(before.latency.tpot["mean"]), ms(after.latency.tpot["mean"])],
+        ["平均端到端", ms(before.latency.e2e["mean"]), ms(after.latency.e2e["mean"])],
+        ["平均解码批", f"{before.batching.mean_decode_batch:.1f}", f"{after.batching.mean_decode_batch:.1f}"],
+        ["抢占", before.latency.num_preemptions, after.latency.num_preemptions],
+    ])
+
+
+def show_client(view, engine_view):
+    """What the client-side record told against what the engine's own record did."""
+    from minillm.lab.report import show_table
+
+    sv = view.server_view
+    show_table(["", "客户端的记录", "引擎的记录"], [
+        ["哪种慢", SYMPTOM_ZH[view.symptom], SYMPTOM_ZH[engine_view.symptom]],
+        ["墙", WALL_ZH[view.wall] if view.wall else "判不出", WALL_ZH[engine_view.wall]],
+        ["抢占", sv.num_preemptions, engine_view.latency.num_preemptions],
+        ["KV 峰值", share(sv.peak_kv_usage), share(engine_view.memory.peak_kv_share)],
+        ["平均 TTFT", ms(view.latency.ttft["mean"]), ms(engine_view.latency.ttft["mean"])],
+        ["每一步的批、受哪个上限限制", "没有步日志，看不出", "有"],
+    ])
+
+
+def comparison(r: dict):
+    """The lab's "estimate | measured here | recorded on GPU" table."""
+    from minillm.lab.estimate import fmt_bytes
+    from minillm.lab.report import comparison_table
+
+    lab, runs = r["lab"], r["runs"]
+    long_run, decode_run, small = runs["long_prompts"], runs["decode_heavy"], runs["small_pool"]
+    cfg, dtype = lab.config, lab.dtype_name
+    comparison_table([
+        (f"权重（{dtype}）", fmt_bytes(L.weight_bytes(cfg, dtype), "MiB"), fmt_bytes(long_run.memory.weight_bytes, "MiB"), None),
+        ("每 token 的 KV", fmt_bytes(L.kv_bytes_per_token(cfg, dtype), "KiB"),
+         fmt_bytes(long_run.memory.kv_bytes_per_token, "KiB"), None),
+        ("算 prompt 的步：FLOP 速率", f"≤ {long_run.batching.peak_flops / 1e12:,.3f} TFLOP/s",
+         f"{long_run.batching.prefill_flops_per_s / 1e12:,.3f} TFLOP/s（MFU {share(long_run.batching.mfu)}）", None),
+        ("纯解码的步：读取带宽", f"≤ {decode_run.batching.bandwidth / 1e9:,.1f} GB/s",
+         f"{decode_run.batching.decode_bytes_per_s / 1e9:,.1f} GB/s（MBU {share(decode_run.batching.mbu)}）", None),
+        ("显存不够的场景：KV 峰值", f"{small.memory.kv_pool_tokens:,} token（整个池子）",
+         f"{small.memory.peak_kv_tokens:,} token", None),
+    ])
+
+
+def glue_chapter(r: dict) -> None:
+    """Glue every number and sentence the chapter quotes from this lab (``r``: the lab's results)."""
+    from minillm.lab.claims import choose, claim
+    from minillm.lab.notebook import g
+
+    lab, runs, scene = r["lab"], r["runs"], r["scene"]
+    g("device", lab.device_name)
+    g("model", lab.config.name)
+    g("scale", str(8192 // scene["long_prompts"].inputs[0]))
+    claim([d.wall for d in runs.values()] == ["compute", "bandwidth", "capacity"],
+          "the three scenarios hit the compute, the bandwidth and the capacity wall",
+          walls=[d.wall for d in runs.values()])
+    for name, d in runs.items():
+        s, lat, mem, bat = scene[name], d.latency, d.memory, d.batching
+        g(f"{name}_requests", str(len(s.inputs)))
+        g(f"{name}_prompt", fmt_int(s.inputs[0]))
+        g(f"{name}_output", fmt_int(s.output))
+        g(f"{name}_symptom", SYMPTOM_ZH[d.symptom])
+        g(f"{name}_wall", WALL_ZH[d.wall])
+        g(f"{name}_compute_share", share(bat.compute_bound_share))
+        g(f"{name}_first_token_share", share(lat.first_token_share))
+        g(f"{name}_queue_share", share(bat.queueing_share_of_ttft))
+        g(f"{name}_decode_batch", f"{bat.mean_decode_batch:.1f}")
+        g(f"{name}_preemptions", str(lat.num_preemptions))
+        g(f"{name}_kv_waits", str(bat.waited_steps["kv_pool"]))
+        g(f"{name}_budget_waits", str(bat.waited_steps["token_budget"]))
+        g(f"{name}_steps", str(bat.num_steps))
+        g(f"{name}_pool", fmt_int(mem.kv_pool_tokens))
+        g(f"{name}_pool_requests", f"{mem.requests_in_pool:.1f}")
+        g(f"{name}_tpot", ms(lat.tpot["mean"]))
+        g(f"{name}_mbu", share(bat.mbu))
+        g(f"{name}_mfu", share(bat.mfu))
+    long_run, heavy, small = runs["long_prompts"], runs["decode_heavy"], runs["small_pool"]
+    claim(long_run.batching.waited_steps["kv_pool"] == 0 < long_run.batching.waited_steps["token_budget"],
+          "the long prompts wait for the token budget, not for KV blocks", waits=long_run.batching.waited_steps)
+    claim(small.batching.waited_steps["kv_pool"] > 0 and small.latency.num_aborted == 0,
+          "in the small pool requests wait for KV blocks and every request still finishes")
+    g("ceiling_source", "规格表" if lab.on_gpu else "本机机器档案")
+    lb, hb = long_run.batching, heavy.batching
+    over = []
+    if lb.mfu and lb.mfu > 1:
+        over.append(f"算 prompt 的步实际达到 {lb.prefill_flops_per_s / 1e9:,.1f} GFLOP/s，高于上限 {lb.peak_flops / 1e9:,.1f} GFLOP/s")
+    if hb.mbu and hb.mbu > 1:
+        over.append(f"纯解码的步实际读了 {hb.decode_bytes_per_s / 1e9:,.1f} GB/s，高于上限 {hb.bandwidth / 1e9:,.1f} GB/s")
+    g("ceiling_note", choose(
+        not over, "两个利用率都在 100% 之下。",
+        "利用率超过了 100%：" + "；".join(over) + "。实测比上限还快，说明那个上限（机器档案里的一次探测）"
+        "对这种运算偏低，而不是引擎超常发挥；这时的利用率只能看相对高低。"))
+
+    # the small pool, enlarged
+    fixed = r["fixed"]
+    claim(fixed.latency.ttft["mean"] < small.latency.ttft["mean"] and fixed.latency.num_preemptions == 0,
+          "a pool that holds everyone ends the preemptions and shortens the mean TTFT")
+    g("fixed_pool", fmt_int(fixed.memory.kv_pool_tokens))
+    g("fixed_decode_batch", f"{fixed.batching.mean_decode_batch:.1f}")
+    g("fixed_wall", WALL_ZH[fixed.wall])
+    g("fixed_ttft_note", f"平均 TTFT 从 {ms(small.latency.ttft['mean'])} 降到 {ms(fixed.latency.ttft['mean'])}。")
+    e2e_before, e2e_after = small.latency.e2e["mean"], fixed.latency.e2e["mean"]
+    g("fixed_e2e_note", choose(
+        e2e_after < e2e_before,
+        f"平均端到端也从 {ms(e2e_before)} 缩短到 {ms(e2e_after)}。",
+        f"平均端到端却从 {ms(e2e_before)} 变成了 {ms(e2e_after)}：同时在跑的请求多了，每一步更贵，"
+        f"平均 TPOT 从 {ms(small.latency.tpot['mean'])} 涨到 {ms(fixed.latency.tpot['mean'])}。首字快了，出字却慢了。"))
+    g("wall_change_note", choose(
+        fixed.wall != small.wall,
+        f"墙也变了，从{WALL_ZH[small.wall]}变成了{WALL_ZH[fixed.wall]}：推开一堵墙，后面那堵就露出来了。",
+        f"墙却还是{WALL_ZH[fixed.wall]}：池子放大了，这批请求还是被同一样东西卡住。"))
+
+    # the client's view
+    view = r["client"]
+    sv = view.server_view
+    g("client_symptom", SYMPTOM_ZH[view.symptom])
+    g("client_wall_note", choose(
+        view.wall == small.wall,
+        f"从客户端的记录也判得出是{WALL_ZH[small.wall]}：服务器的 KV 占用最高到了 {share(sv.peak_kv_usage)}，"
+        f"同时最多有 {sv.peak_waiting:.0f} 个请求在等。",
+        f"从客户端的记录却判不出是哪堵墙（引擎的记录说是{WALL_ZH[small.wall]}）：服务器的计数里没有抢占，"
+        "仪表的采样也没碰上 KV 用满的那一刻。"))
+    g("client_extra_ttft", ms(view.extra_ttft) if view.extra_ttft is not None else "—")
+
+
+# --- The page: where the book's model stops holding ------------------------------------------------
+
+SCENE_GPU, CTX = "H100 SXM", 1024
+
+# Mixtral-8x7B's shape, from its public config.json (8 experts, 2 per token); the expert MLPs are
+# counted by hand, ModelConfig having one MLP per layer.
+MIXTRAL = dict(name="mixtral-8x7b-shape", model_type="mistral", vocab_size=32000, hidden_size=4096,
+               intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+               max_position_embeddings=32768)
+EXPERTS, TOP_K = 8, 2
+# Llama-3.1-70B's shape, from its public config.json
+LLAMA_70B = dict(name="llama-3.1-70b-shape", model_type="llama", vocab_size=128256, hidden_size=8192,
+                 intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+                 max_position_embeddings=131072)
+
+
+@dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts shape: ``cfg`` with one expert's MLP, ``experts`` of them per layer,
+    ``top_k`` chosen per token by a router."""
+
+    cfg: ModelConfig
+    experts: int
+    top_k: int
+
+    @property
+    def expert(self) -> int:
+        return L.param_breakdown(self.cfg)["mlp"]  # all layers' share of one expert
+
+    @property
+    def router(self) -> int:
+        return self.cfg.num_layers * self.cfg.hidden_size * self.experts
+
+    @property
+    def shared(self) -> int:
+        """Parameters every token uses: all but the experts' MLPs."""
+        return L.param_count(self.cfg) - self.expert + self.router
+
+    @property
+    def total(self) -> int:
+        return self.shared + self.experts * self.expert
+
+    @property
+    def active(self) -> int:
+        return self.shared + self.top_k * self.expert
+
+    def touched(self, batch: int) -> float:
+        """Experts a decode step of ``batch`` tokens reads per layer, routing uniform and
+        independent: each expert is missed by all of them with probability (1 - k/E)^batch."""
+        return self.experts * (1 - (1 - self.top_k / self.experts) ** batch)
+
+    def step(self, batch: int, ctx: int, peak_flops: float, bandwidth: float) -> Floor:
+        """The floor of a decode step: each token computes with the active parameters; the step
+        reads the shared weights, the experts its tokens touched, and every request's KV."""
+        embedding = self.cfg.vocab_size * self.cfg.hidden_size  # a lookup, not a read
+        flops = batch * (2 * (self.active - embedding) + L.attention_flops_per_token(self.cfg, ctx))
+        nbytes = 2 * (self.shared - embedding + self.touched(batch) * self.expert) + batch * L.kv_bytes(self.cfg, ctx)
+        return roofline_floor(flops, nbytes, peak_flops, bandwidth)
+
+
+def mixtral() -> MoE:
+    return MoE(ModelConfig(**MIXTRAL), EXPERTS, TOP_K)
+
+
+def accepted_tokens(a: float, k: int) -> float:
+    """Tokens per target step when each of ``k`` drafted tokens is accepted with probability
+    ``a`` (independently) and the target adds one of its own: (1 - a^(k+1)) / (1 - a)."""
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """One request decoding at context ``ctx``: the target's and the draft's step floors, and the
+    floor of the target verifying ``k`` drafted tokens at once (k + 1 positions; its weights read
+    once per step, each request's KV once)."""
+
+    target: Floor
+    draft: Floor
+    target_weight_bytes: int
+    target_kv_bytes: int  # one request's KV at ctx
+
+    @property
+    def draft_cost(self) -> float:
+        """c at the two floors: the draft's step over the target's."""
+        return self.draft.seconds / self.target.seconds
+
+    def verify(self, k: int, batch: int = 1) -> Floor:
+        """The target's step that checks ``k`` drafted tokens for each of ``batch`` requests."""
+        return roofline_floor(batch * (k + 1) * self.target.flops, self.target_weight_bytes + batch * self.target_kv_bytes,
+                              self.target.peak_flops, self.target.bandwidth)
+
+    def speedup(self, a: float, k: int, draft_seconds: float | None = None) -> float:
+        """Tokens per second against plain decoding: E tokens per k draft steps and one verify
+        step (a draft step of ``draft_seconds``, default its floor)."""
+        draft = self.draft.seconds if draft_seconds is None else draft_seconds
+        return accepted_tokens(a, k) * self.target.seconds / (k * draft + self.verify(k).seconds)
+
+    def best_k(self, a: float, draft_seconds: float | None = None, drafts=range(1, 17)) -> int:
+        return max(drafts, key=lambda k: self.speedup(a, k, draft_seconds))
+
+    def compute_bound_batch(self, k: int) -> int:
+        """The smallest batch at which verifying ``k`` drafted tokens per request is compute-bound."""
+        batch = 1
+        while self.verify(k, batch).bound != "compute":
+            batch += 1
+        return batch
+
+
+def speculation(target: str = "qwen2.5-7b", draft: str = "qwen2.5-0.5b", gpu: str = SCENE_GPU,
+                ctx: int = CTX) -> Speculation:
+    """The draft and the target at batch 1 on ``gpu``'s datasheet ceilings, bf16."""
+    spec = lookup_gpu(gpu)
+    t_cfg, d_cfg = load_config(target), load_config(draft)
+    t = L.decode_step(t_cfg, 1, ctx, spec.bandwidth).floor(spec.bf16_flops)
+    d = L.decode_step(d_cfg, 1, ctx, spec.bandwidth).floor(spec.bf16_flops)
+    return Speculation(t, d, L.weight_bytes(t_cfg), L.kv_bytes(t_cfg, ctx))
+
+
+def allreduce_bytes_per_token(cfg: ModelConfig, tp: int, dtype="bf16") -> float:
+    """Bytes each GPU sends per token per step: two all-reduces per layer (after attention and
+    after the MLP), a ring all-reduce moving 2 (tp - 1) / tp of the H-wide activation."""
+    return cfg.num_layers * 2 * 2 * (tp - 1) / tp * cfg.hidden_size * L.dtype_bytes(dtype)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """One card of ``tp`` under tensor parallelism, decoding ``batch`` requests at ``ctx``."""
+
+    name: str
+    tp: int
+    weight_bytes: float  # per card
+    kv_bytes_per_token: float  # per card: KV heads split up to n_kv, replicated beyond
+    fits: bool
+    step: Floor  # per card: 1/tp of the FLOPs, its share of the weights and KV
+    allreduce_bytes: float  # per card per step
+    syncs: int  # all-reduces per step
+
+
+def tensor_parallel(cfg: ModelConfig, tp: int, gpu: str = SCENE_GPU, batch: int = 1, ctx: int = CTX,
+                    utilization: float = 0.92) -> TensorParallel:
+    spec = lookup_gpu(gpu)
+    whole = L.decode_step(cfg, batch, ctx, spec.bandwidth)
+    kv_share = min(tp, cfg.num_kv_heads)
+    weights = L.weight_bytes(cfg) / tp
+    step = roofline_floor(whole.flops / tp, weights + whole.kv_read_bytes / kv_share, spec.bf16_flops, spec.bandwidth)
+    return TensorParallel(cfg.name, tp, weights, L.kv_bytes_per_token(cfg) / kv_share,
+                          weights < utilization * spec.memory_bytes, step,
+                          batch * allreduce_bytes_per_token(cfg, tp), 2 * cfg.num_layers if tp > 1 else 0)
+
+
+ACCEPT = (0.6, 0.7, 0.8, 0.9)  # acceptance rates the page plots
+SPEC_K = 4  # the draft length the page quotes
+SPEC_C_HIGH = 0.2  # a draft step a fifth of the target's: the page's case of a latency-bound draft
+TP_SIZES = (1, 2, 4, 8)
+
+
+def page_numbers() -> dict[str, str]:
+    """Every number the page quotes, under its glue key (estimates from configs and datasheets)."""
+    from minillm.lab.diagnose import COMPUTE_TIME_SHARE, FIRST_TOKEN_SHARE, KV_BLOCKED_SHARE
+    from minillm.lab.report import floor_words
+
+    gpu = lookup_gpu(SCENE_GPU)
+    P, W = gpu.bf16_flops, gpu.bandwidth
+    out = {"kv_blocked_share": f"{KV_BLOCKED_SHARE:.0%}", "compute_time_share": f"{COMPUTE_TIME_SHARE:.0%}",
+           "first_token_share": f"{FIRST_TOKEN_SHARE:.0%}", "ctx": fmt_int(CTX), "h100": gpu.name,
+           "h100_gib": f"{gpu.memory_gib:g} GiB", "util": "0.92", "ridge": f"{gpu.ridge_point:,.0f}"}
+
+    moe = mixtral()
+    out.update(moe_experts=str(moe.experts), moe_topk=str(moe.top_k), moe_total_b=f"{moe.total / 1e9:.1f}B",
+               moe_active_b=f"{moe.active / 1e9:.1f}B", moe_total_gb=f"{2 * moe.total / GB:.1f} GB",
+               moe_fits_h100="放得下" if 2 * moe.total < 0.92 * gpu.memory_bytes else "放不下",
+               moe_kv=f"{L.kv_bytes_per_token(moe.cfg) / KiB:.0f} KiB")
+    for b in (1, 8, 64):
+        step = moe.step(b, CTX, P, W)
+        out[f"moe_b{b}_gb"] = f"{step.bytes / GB:.1f} GB"
+        out[f"moe_b{b}_floor"] = floor_words(step)
+    embedding = moe.cfg.vocab_size * moe.cfg.hidden_size
+    one = moe.step(1, CTX, P, W)
+    as_total = 2 * (moe.total - embedding) + L.kv_bytes(moe.cfg, CTX)
+    out["moe_mbu_high"] = f"{as_total / one.bytes:.1f}"
+    many = moe.step(64, CTX, P, W)
+    as_active = 2 * (moe.active - embedding) + 64 * L.kv_bytes(moe.cfg, CTX)
+    out["moe_mbu_low"] = f"{as_active / many.bytes:.0%}"
+
+    sp = speculation()
+    d_cfg = load_config("qwen2.5-0.5b")
+    out.update(spec_target=load_config("qwen2.5-7b").name, spec_draft=d_cfg.name,
+               spec_target_floor=floor_words(sp.target), spec_draft_floor=floor_words(sp.draft),
+               spec_cost=f"{sp.draft_cost:.1%}", spec_k=str(SPEC_K), spec_a_lo="0.6", spec_a_hi="0.8",
+               spec_draft_layers=str(d_cfg.num_layers),
+               spec_draft_layer_us=f"{sp.draft.seconds / d_cfg.num_layers * 1e6:.0f} µs",
+               spec_verify=floor_words(sp.verify(SPEC_K)), spec_limit_8=f"{1 / (1 - 0.8):.0f}",
+               spec_c_high=f"{SPEC_C_HIGH:.0%}", spec_batch_compute=str(sp.compute_bound_batch(SPEC_K)))
+    for a in (0.6, 0.8):
+        key = f"{int(a * 10)}"
+        k = sp.best_k(a)
+        out[f"spec_e4_{key}"] = f"{accepted_tokens(a, SPEC_K):.2f}"
+        out[f"spec_best_k_{key}"] = str(k)
+        out[f"spec_best_{key}"] = f"{sp.speedup(a, k):.2f}"
+    slow = SPEC_C_HIGH * sp.target.seconds
+    k = sp.best_k(0.8, slow)
+    out.update(spec_high_best_k_8=str(k), spec_high_best_8=f"{sp.speedup(0.8, k, slow):.2f}")
+
+    cfg, big = load_config("llama-3.1-8b"), ModelConfig(**LLAMA_70B)
+    budget = 24 * GiB * 0.92
+    tp2 = (budget - L.weight_bytes(cfg) / 2) / (L.kv_bytes_per_token(cfg) / 2)
+    tp1 = (budget - L.weight_bytes(cfg)) / L.kv_bytes_per_token(cfg)
+    tp4 = tensor_parallel(big, 4)
+    out.update(tp2_gain=f"{tp2 / tp1:.1f}", big_gb=f"{L.weight_bytes(big) / GB:.0f} GB",
+               big_params=f"{L.param_count(big) / 1e9:.1f}B", big_syncs=str(2 * big.num_layers),
+               big_tp4_gb=f"{tp4.weight_bytes / GB:.1f} GB", big_tp4_floor=floor_words(tp4.step),
+               big_tp4_ar=f"{tp4.allreduce_bytes / 2**20:.2f} MiB", big_kv_heads=str(big.num_kv_heads),
+               tp_min_big=str(next(tp for tp in TP_SIZES if tensor_parallel(big, tp).fits)))
+    return out
