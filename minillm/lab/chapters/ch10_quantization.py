@@ -324,15 +324,20 @@ def comparison(r: dict):
     comparison_table(rows)
 
 
-def speedup_sentence(row: dict) -> str:
-    """Where one measured speedup stands against the bytes decode reads, as a whole sentence."""
+def speedup_sentence(row: dict, fp32_streams_slower: bool) -> str:
+    """Where one measured speedup stands against the bytes decode reads, as a whole sentence;
+    ``fp32_streams_slower``: the fp32 gemv moved fewer bytes a second than the quantized layers."""
     if row["read_ratio"] < 1.05:
         if row["speedup"] < 0.9:
-            return ("这个上下文里省下的字节本来就少，把 fp8 读回来却要多做一次类型转换，实测反而更慢。")
+            return "这个上下文里省下的字节本来就少，把 fp8 读回来却要多做一次类型转换，实测反而更慢。"
+        if row["speedup"] > 1.1:
+            return "这个上下文里省下的字节本来就少，字节之比解释不了实测的这点差别。"
         return "这个上下文里省下的字节本来就少，实测也没有明显的加速。"
     if row["speedup"] > 1.1 * row["read_ratio"]:
-        return ("实测加速比解码实读字节之比还大：省下的不只是字节，基线的 fp32 矩阵乘本身就没按带宽读，"
-                "量化层换成 bf16 的激活，走的是更快的路径。")
+        if fp32_streams_slower:
+            return ("实测加速比解码实读字节之比还大：省下的不只是字节，基线的 fp32 矩阵乘本身就读得慢，"
+                    "量化层换成 bf16 的激活，走的是更快的路径。")
+        return "实测加速比解码实读字节之比还大，线性层的计时也解释不了它：这个数要在一台空闲的机器上重测。"
     if row["speedup"] >= 0.8 * row["read_ratio"]:
         return "实测加速接近解码实读字节之比：这个格式的核函数把少掉的字节兑成了时间。"
     return "实测加速明显低于解码实读字节之比：字节少了，时间却没有跟着字节走。"
@@ -350,6 +355,8 @@ def glue_chapter(r: dict) -> None:
     g("lab_dtype", dtype)
     g("lab_threads", lab.threads)
     by = {(x["format"], x["batch"]): x for x in r["speed"]}
+    lin = {x["layer"].split("（")[0].split(" ")[0]: x for x in r["linears"]}
+    fp32_slower = lin["fp32"]["bandwidth"] < min(lin["int8"]["bandwidth"], lin["int4"]["bandwidth"])
     batches = sorted({x["batch"] for x in r["speed"]})
     g("lab_q4_exact", choose(r["q4_exact"], "int4（每组 32）量化再解回去，和检查点里的权重一位不差。",
                              "int4（每组 32）量化再解回去，和检查点里的权重并不完全相同。"))
@@ -367,7 +374,7 @@ def glue_chapter(r: dict) -> None:
         g(f"lab_{key}_ppl", f"{q['perplexity']:.3f}")
         g(f"lab_{key}_ppl_delta", f"{q['ratio'] - 1:+.2%}")
         g(f"lab_{key}_top1", f"{q['top1']:.1%}")
-        g(f"lab_{key}_sentence", speedup_sentence(by[(f, 1)]))
+        g(f"lab_{key}_sentence", speedup_sentence(by[(f, 1)], fp32_slower))
     g("lab_base_b1_ms", f"{by[(MEASURED[1], 1)]['baseline_ms']:,.1f} ms")
     q4, q8 = r["quality"][MEASURED[1]]["ratio"], r["quality"][MEASURED[0]]["ratio"]
     g("lab_quality_order", choose(q8 > q4, "于是字节多一倍的 int8，困惑度反而比 int4 涨得多：int4 的网格就是检查点的网格，int8 的不是。",
@@ -381,7 +388,6 @@ def glue_chapter(r: dict) -> None:
     claim(r["quality"][MEASURED[1]]["ratio"] < 1.05 and r["quality"][MEASURED[0]]["ratio"] < 1.01,
           "int4 perplexity within 5% of the unquantized model, int8 within 1%",
           int4=r["quality"][MEASURED[1]]["ratio"], int8=r["quality"][MEASURED[0]]["ratio"])
-    lin = {x["layer"].split("（")[0].split(" ")[0]: x for x in r["linears"]}
     fp32 = lin["fp32"]["seconds"]
     for key in ("fp32", "bf16", "int8", "int4"):
         g(f"lin_{key}_ms", f"{lin[key]['seconds'] * 1e3:,.3f} ms")
@@ -392,10 +398,6 @@ def glue_chapter(r: dict) -> None:
         lin["int8"]["bandwidth"] >= 0.8 * lin["int4"]["bandwidth"],
         "int8 层每秒流过的权重字节和 int4 层相当：两个核函数读字节一样快，字节少的那个就快。",
         "int8 层每秒流过的权重字节远少于 int4 层：它的核函数读字节读得慢，少掉的字节没能全部兑成时间。"))
-    beyond = [x for x in r["speed"] if x["batch"] == 1 and x["speedup"] > 1.1 * x["read_ratio"]]
-    claim(not beyond or min(lin["int8"]["bandwidth"], lin["int4"]["bandwidth"]) > lin["fp32"]["bandwidth"],
-          "a speedup beyond the bytes ratio comes with an fp32 matmul that streams slower than the quantized ones",
-          fp32=lin["fp32"]["bandwidth"], int8=lin["int8"]["bandwidth"], int4=lin["int4"]["bandwidth"])
     g("lin_bf16_sentence", choose(
         lin["bf16"]["seconds"] < 0.9 * fp32,
         f"它比 fp32 快 {fp32 / lin['bf16']['seconds']:.2f} 倍，量化层的加速里有这一份。",
