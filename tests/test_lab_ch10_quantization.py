@@ -87,6 +87,15 @@ def test_gpt_fast_bytes_per_token_match_the_ledger():
 def test_labels_name_weights_and_kv():
     assert Format("int4", "fp8").label() == "int4（每组 32） 权重 + fp8 KV"
     assert BASELINE.label("fp32") == "fp32 权重 + fp32 KV"
+    assert Format("int4", "fp8").tick() == "int4 权重\nfp8 KV"
+
+
+def test_the_tokens_figure_labels_every_bar_with_the_plan():
+    dry = ch10.plans(CFG)
+    fig = ch10.plot_tokens(dry)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert texts == [f"{p.tokens:,}" for p in dry.values()]
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == [f.tick() for f in dry]
 
 
 def test_one_linear_per_format_streams_its_own_bytes():

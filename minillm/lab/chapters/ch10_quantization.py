@@ -41,6 +41,10 @@ class Format:
         kv = "fp8" if self.kv_cache_dtype == "fp8" else dtype
         return f"{weights} 权重 + {kv} KV"
 
+    def tick(self, dtype: str = "bf16") -> str:
+        """Two short lines for a figure's axis (the caption names int4's group size)."""
+        return f"{self.quantization or dtype} 权重\n{self.kv_dtype(dtype)} KV"
+
     def kv_dtype(self, dtype: str = "bf16") -> str:
         return "fp8" if self.kv_cache_dtype == "fp8" else dtype
 
@@ -277,7 +281,7 @@ def plot_speedup(rows: list[dict], dtype: str, batch: int = 1):
     for i, (name, key, color) in enumerate(bars):
         ax.bar([j + (i - 1) * 0.27 for j in x], [r[key] for r in rows], 0.27, label=name, color=color)
     ax.axhline(1, color="#888888", lw=0.8)
-    ax.set_xticks(list(x), [r["format"].label(dtype).replace(" + ", "\n") for r in rows])
+    ax.set_xticks(list(x), [r["format"].tick(dtype) for r in rows])
     ax.set_ylabel(f"相对基线（{dtype}），批 = {batch}")
     ax.legend(loc="upper left")
     return fig
@@ -290,13 +294,13 @@ def plot_tokens(dry: dict):
     from minillm.lab.plotting import PALETTE
 
     fig, ax = plt.subplots(figsize=(7.2, 3.4))
-    labels = [f.label().replace(" + ", "\n") for f in dry]
+    labels = [f.tick() for f in dry]
     tokens = [p.tokens for p in dry.values()]
     ax.bar(labels, tokens, color=[PALETTE[0] if f.kv_cache_dtype == "auto" else PALETTE[1] for f in dry])
     for i, t in enumerate(tokens):
         ax.text(i, t, fmt_int(t), ha="center", va="bottom", fontsize=9)
     ax.set_ylabel("放得下的 KV token")
-    ax.tick_params(axis="x", labelsize=8.5)
+    ax.yaxis.set_major_formatter(lambda v, _: fmt_int(v))
     return fig
 
 
