@@ -438,7 +438,6 @@ def test_quotes_render_as_chinese_quotes() -> None:
 # must end empty.
 NOT_YET = {
     "book/glossary.md",
-    "book/ch05-kvcache.md", "notebooks/ch05-kvcache.ipynb",
     "book/ch09-serving.md", "notebooks/ch09-serving.ipynb",
     "book/ch11-diagnose.md", "notebooks/ch11-diagnose.ipynb",
 }
