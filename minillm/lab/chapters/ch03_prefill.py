@@ -19,6 +19,7 @@ from minillm.lab import estimate as L
 from minillm.lab.claims import above_floor, choose, claim
 from minillm.lab.estimate import GB, GiB, KiB, MiB, fmt_int
 from minillm.lab.gpus import gpu_specs, lookup_gpu
+from minillm.lab.notebook import ms
 from minillm.lab.report import floor_words, show_table
 
 MODEL, CARD = "llama-3.1-8b", "H100 SXM"
@@ -27,6 +28,7 @@ TABLE_LENGTHS = (1, 16, 128, 512, 2048, 8192, 32768)
 CHUNKS = (64, 128, 512, 2048, 8192)
 SWEEP_CPU = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SWEEP_GPU = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+PROBE_SHAPES = {"cpu": "1024 × 1024 的 fp32", "cuda": "8192 × 8192 的 bf16"}  # hardware.probe_matmul_flops
 REPEATS = 4  # timed samples per point, in two rounds over the sweep (a busy machine slows every point alike)
 ROUNDS = 2
 
@@ -34,10 +36,6 @@ ROUNDS = 2
 @functools.cache
 def _cfg():
     return load_config(MODEL)
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:,.1f} ms"
 
 
 def card_floor(cfg, n: int, spec, dtype="bf16") -> L.Floor:
@@ -179,9 +177,14 @@ def plot_crossover(ax) -> None:
 # --- The lab --------------------------------------------------------------------------------------
 
 def sweep_lengths(lab) -> tuple[int, ...]:
-    """The prompt lengths the lab sweeps on this device (within the model's positions)."""
-    lengths = SWEEP_GPU if lab.on_gpu else SWEEP_CPU
-    return tuple(n for n in lengths if n <= lab.config.max_position_embeddings)
+    """The prompt lengths the lab sweeps on this device: within the model's positions and, on a
+    GPU, whose KV and MLP activations fit the free memory (the guard says so when it drops one)."""
+    from minillm.lab.notebook import enough_gpu_memory
+
+    cfg, size = lab.config, L.dtype_bytes(lab.dtype_name)
+    lengths = [n for n in (SWEEP_GPU if lab.on_gpu else SWEEP_CPU) if n <= cfg.max_position_embeddings]
+    need = lambda n: L.kv_bytes(cfg, n, lab.dtype_name) + 4 * n * cfg.intermediate_size * size
+    return tuple(n for n in lengths if n == lengths[0] or enough_gpu_memory(lab.device, need(n)))
 
 
 def logits_length(lab) -> int:
@@ -202,9 +205,10 @@ def linear_bytes(cfg, dtype) -> int:
     return L.matmul_param_count(cfg) * L.dtype_bytes(dtype)
 
 
-def linear_layers_seconds(model, rows: int, repeats: int = REPEATS) -> list[float]:
-    """Seconds of the model's own linear layers alone on ``rows`` random rows (the output layer on
-    the last row, as in a prefill): ``repeats`` samples."""
+def linear_layers_seconds(model, rows: int, repeats: int = REPEATS, every_row_logits: bool = False) -> list[float]:
+    """Seconds of the model's own linear layers alone on ``rows`` random rows: ``repeats``
+    samples. The output layer on the last row, as in a prefill, or (``every_row_logits``) on every
+    row, as in a decode step of ``rows`` requests."""
     from minillm.lab.bench import WARMUP
     from minillm.lab.hardware import measure_seconds
 
@@ -220,7 +224,7 @@ def linear_layers_seconds(model, rows: int, repeats: int = REPEATS) -> list[floa
                 proj(x_hidden)
             attn.o_proj(x_heads)
             mlp.down_proj(x_inner)
-        model.lm_head(x_hidden[-1:])
+        model.lm_head(x_hidden if every_row_logits else x_hidden[-1:])
 
     return measure_seconds(run, device, repeats, warmup=WARMUP)
 
@@ -435,9 +439,9 @@ def glue_chapter(lab, s: Sweep, logits: dict[bool, float], logits_n: int) -> dic
     bw_side = [n for n in s.lengths if s.floor(n).bound == "memory"]
     mid = next((n for n in s.lengths[1:-1] if n >= s.crossover), s.lengths[len(s.lengths) // 2])
     points = (small, mid, large)
-    v = {"device": f"{words['device']}（{words['threads']}）", "model": f"{cfg.name}（{dtype}）",
+    v = {"device": f"{words['device']}（{words['threads']}）", "model": f"{cfg.name}（{dtype}，{'真实权重' if lab.real_weights else '随机权重'}）",
          "params": fmt_int(L.param_count(cfg)), "hidden": fmt_int(cfg.hidden_size), "weights": f"{L.weight_bytes(cfg, dtype) / MiB:,.0f} MiB",
-         "probe_flops": words["flops"], "probe_bw": words["bw"], "ridge": words["ridge"],
+         "probe_flops": words["flops"], "probe_shape": PROBE_SHAPES[lab.device.type], "probe_bw": words["bw"], "ridge": words["ridge"],
          "lengths": f"{fmt_int(small)} 到 {fmt_int(large)}", "repeats": str(s.repeats),
          "cross_est": fmt_int(s.crossover), "knee": fmt_int(s.knee),
          "bw_side": "、".join(fmt_int(n) for n in bw_side) or "（没有）",

@@ -34,6 +34,7 @@ def _cfg():
 
 
 def ms(seconds: float) -> str:
+    """``12.34 ms``: decode steps are short, two decimals."""
     return f"{seconds * 1e3:,.2f} ms"
 
 
@@ -100,7 +101,8 @@ def page_numbers() -> dict[str, str]:
               "rtx_agg_max": fmt_int(b24 / full24.seconds), "rtx_kv_share": f"{s24.kv_read_bytes / s24.bytes:.0%}",
               "b80": str(b80), "h100_kv_share": f"{s80.kv_read_bytes / s80.bytes:.0%}",
               "h100_int_max": f"{full80.intensity:.0f}", "h100_floor_max": floor_words(full80)})
-    claim(full24.bound == full80.bound == "memory", "两张卡放满时解码仍受带宽限制")
+    claim(all(card_step(cfg, b, CTX, lookup_gpu(n)).bound == "memory" for n in CARDS
+              for b in (1, max_batch(cfg, lookup_gpu(n)))), "表里每张卡上，B=1 和最大批的解码都受带宽限制")
     # Exercise 1: a 30 ms TPOT at 4K on the H100
     C, TPOT = 4096, 0.030
     b_bw = int((TPOT * h100.bandwidth - w) // L.kv_bytes(cfg, C))
@@ -208,25 +210,10 @@ def context_batch(batches) -> int:
 
 def linear_seconds(model, rows: int, steps: int = STEPS) -> list[float]:
     """Seconds of the model's linear layers alone on ``rows`` random rows, the output layer on
-    every row (as in a decode step, every request needs its logits)."""
-    from minillm.lab.bench import WARMUP
-    from minillm.lab.hardware import measure_seconds
+    every row (in a decode step every request needs its logits)."""
+    from minillm.lab.chapters.ch03_prefill import linear_layers_seconds
 
-    cfg, weight = model.config, model.lm_head.weight
-    x_hidden, x_heads, x_inner = (torch.randn(rows, width, dtype=weight.dtype, device=weight.device)
-                                  for width in (cfg.hidden_size, cfg.q_size, cfg.intermediate_size))
-
-    @torch.inference_mode()
-    def run():
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                proj(x_hidden)
-            attn.o_proj(x_heads)
-            mlp.down_proj(x_inner)
-        model.lm_head(x_hidden)
-
-    return measure_seconds(run, weight.device, steps, warmup=WARMUP)
+    return linear_layers_seconds(model, rows, steps, every_row_logits=True)
 
 
 @dataclass
@@ -449,7 +436,7 @@ def glue_chapter(lab, s: DecodeSweep, ctx: int, samplers: dict, sampler_rows: in
     cp = [b for b in batches if s.floor(b, ctx).bound == "compute"]
     claim(bool(bw) and bw[0] == 1, "B = 1 的解码在本机上受带宽限制", batches=batches)
     lo, mid, hi = 1, bw[-1], batches[-1]
-    v = {"device": f"{words['device']}（{words['threads']}）", "model": f"{cfg.name}（{dtype}）",
+    v = {"device": f"{words['device']}（{words['threads']}）", "model": f"{cfg.name}（{dtype}，{'真实权重' if lab.real_weights else '随机权重'}）",
          "params": fmt_int(L.param_count(cfg)), "weights": f"{L.weight_bytes(cfg, dtype) / MiB:,.0f} MiB",
          "probe_bw": words["bw"], "probe_flops": words["flops"], "ridge": words["ridge"], "ctx": fmt_int(ctx),
          "batches": "、".join(str(b) for b in batches), "b_mid": str(mid), "b_hi": str(hi)}

@@ -16,8 +16,9 @@ import torch
 from minillm.engine.config import load_config
 from minillm.lab import estimate as L
 from minillm.lab.claims import above_floor, choose, claim
-from minillm.lab.estimate import GB, GiB, KiB, MiB, fmt_int
+from minillm.lab.estimate import GB, GiB, KiB, fmt_int
 from minillm.lab.gpus import lookup_gpu
+from minillm.lab.notebook import ms
 from minillm.lab.report import floor_words, show_table
 
 MODEL, CARD, UTIL = "llama-3.1-8b", "H100 SXM", 0.92
@@ -35,10 +36,6 @@ QUESTION = "Explain in two sentences why a language model keeps a KV cache."
 @functools.cache
 def _cfg():
     return load_config(MODEL)
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:,.1f} ms"
 
 
 def step_floor(cfg, t: int, use_cache: bool, P: float, W: float, dtype="bf16") -> L.Floor:
@@ -314,6 +311,16 @@ class Waste:
         return L.preallocation_waste(len(self.lengths) * self.max_len, sum(self.lengths))
 
 
+def waste_max_len(lab, requests: int) -> int:
+    """The contiguous cache's longest request here: 512 on the CPU; 4,096 on a GPU whose free
+    memory holds that cache twice over, else 1,024."""
+    from minillm.lab.notebook import enough_gpu_memory
+
+    if not lab.on_gpu:
+        return 512
+    return 4096 if enough_gpu_memory(lab.device, 2 * L.kv_bytes(lab.config, requests * 4096, lab.dtype_name)) else 1024
+
+
 def contiguous_waste(model, requests: int, max_len: int, seed: int = 3) -> Waste:
     """Prefill a batch of lognormal prompt lengths into a contiguous cache that reserves
     ``max_len`` for each, then count the positions layer 0's K really holds."""
@@ -433,7 +440,7 @@ def glue_chapter(lab, s: Steps, gen: Generation, kv_rows, waste: Waste, g: GqaMh
         above_floor(s.recompute[t], s.floor(t, False))
     t_min, t_max = s.ts[0], s.ts[-1]
     c_max, r_max = s.floor(t_max, True), s.floor(t_max, False)
-    v = {"device": f"{words['device']}（{words['threads']}）", "model": f"{cfg.name}（{dtype}）", "ridge": words["ridge"],
+    v = {"device": f"{words['device']}（{words['threads']}）", "model": f"{cfg.name}（{dtype}，{'真实权重' if lab.real_weights else '随机权重'}）", "ridge": words["ridge"],
          "t_min": fmt_int(t_min), "t_max": fmt_int(t_max),
          "cached_min": ms(s.cached[t_min]), "cached_max": ms(s.cached[t_max]), "recompute_max": ms(s.recompute[t_max]),
          "cached_floor_max": floor_words(c_max), "recompute_floor_max": floor_words(r_max),
