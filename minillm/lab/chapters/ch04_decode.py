@@ -435,7 +435,7 @@ def glue_chapter(lab, s: DecodeSweep, ctx: int, samplers: dict, sampler_rows: in
     bw = [b for b in batches if s.floor(b, ctx).bound == "memory"]
     cp = [b for b in batches if s.floor(b, ctx).bound == "compute"]
     claim(bool(bw) and bw[0] == 1, "B = 1 的解码在本机上受带宽限制", batches=batches)
-    lo, mid, hi = 1, bw[-1], batches[-1]
+    lo, mid, hi = 1, (bw or [1])[-1], batches[-1]  # a reader's machine may have no bandwidth side
     v = {"device": f"{words['device']}（{words['threads']}）", "model": f"{cfg.name}（{dtype}，{'真实权重' if lab.real_weights else '随机权重'}）",
          "params": fmt_int(L.param_count(cfg)), "weights": f"{L.weight_bytes(cfg, dtype) / MiB:,.0f} MiB",
          "probe_bw": words["bw"], "probe_flops": words["flops"], "ridge": words["ridge"], "ctx": fmt_int(ctx),
