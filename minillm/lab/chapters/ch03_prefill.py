@@ -367,9 +367,11 @@ def logits_seconds(model, n: int, repeats: int = REPEATS) -> dict[bool, float]:
         return model.compute_logits(hidden if every_row else hidden[-1:])
 
     samples = {False: [], True: []}
-    for _ in range(repeats):  # the two take turns, so a busy machine slows them alike
+    for rows in samples:
+        measure_seconds(lambda: prefill(rows), device, 1, warmup=WARMUP)  # warm both up first
+    for _ in range(2 * repeats):  # then the two take turns, so a busy machine slows them alike
         for rows in samples:
-            samples[rows] += measure_seconds(lambda: prefill(rows), device, 1, warmup=WARMUP)
+            samples[rows] += measure_seconds(lambda: prefill(rows), device, 1, warmup=0)
     return {rows: min(t) for rows, t in samples.items()}
 
 
