@@ -437,9 +437,6 @@ def test_quotes_render_as_chinese_quotes() -> None:
 # Pages not yet rewritten for these checks (issue 19); each leaves the set when it is, and the set
 # must end empty.
 NOT_YET = {
-    "book/ch03-prefill.md", "notebooks/ch03-prefill.ipynb",
-    "book/ch04-decode.md", "notebooks/ch04-decode.ipynb",
-    "book/ch05-kvcache.md", "notebooks/ch05-kvcache.ipynb",
 }
 ENGLISH_UI = ("Show code cell", "Hide code cell", "Skip to main content", "Back to top",
               "Contents", "Print to PDF", "Fullscreen mode", "Download this page", "Search",
