@@ -83,3 +83,11 @@ def test_top_k_first_draws_the_same_tokens():
     assert torch.equal(sample(logits, params, gens()), kit.sample_topk_first(logits, params, gens()))
     timed = kit.time_samplers("cpu", 4, 1000, repeats=1)
     assert timed["same"] and min(timed[k] for k in ("greedy", "sort", "topk")) > 0
+
+
+def test_host_share_is_the_engine_time_over_the_serial_step():
+    host = {"batch": 256, "ctx": 1000, "engine_median_s": 0.003, "launches": {"per_step": 1234, "model": "llama-3.1-8b"}}
+    words = kit.host_words(host)
+    floor = kit.card_step(load_config("llama-3.1-8b"), 256, 1000, lookup_gpu(kit.CARD))
+    assert floor.bound == "memory" and words["host_engine"] == "3.00 ms" and words["host_ops"] == "1,234"
+    assert words["host_share"] == f"{0.003 / (0.003 + floor.seconds):.0%}"

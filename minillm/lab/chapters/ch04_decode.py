@@ -9,6 +9,7 @@ the ceiling that binds, time the sampler, and glue what the page quotes from the
 from __future__ import annotations
 
 import functools
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -391,6 +392,34 @@ def show_samplers(t: dict, rows: int, vocab: int) -> None:
         ["两者抽到的 token 一样", "是" if t["same"] else "否"]])
 
 
+HOST_BATCH, HOST_CTX = 256, 1000
+
+
+def time_host(device, steps: int = 20) -> dict:
+    """``python -m minillm bench host`` at B = 256: the engine's own Python per decode step, the
+    model's forward swapped for a no-op (no attention, no matmul), logits and sampling taken off."""
+    from minillm.lab.bench_host import bench_host
+
+    return bench_host(device, batch=HOST_BATCH, ctx=HOST_CTX, steps=steps)
+
+
+def show_host(host: dict) -> None:
+    launches = host["launches"]
+    show_table([f"主机一侧（B = {host['batch']}，上下文约 {fmt_int(host['ctx'])}）", "每步"], [
+        ["引擎自己的 Python（中位数）", ms(host["engine_median_s"])],
+        ["logits 和采样（替身模型的输出上，中位数）", ms(statistics.median(host["model_seconds"]))],
+        [f"{launches['model']} 的一步 eager 前向发出的 aten 算子", fmt_int(launches["per_step"])]])
+
+
+def host_words(host: dict) -> dict[str, str]:
+    """The host's share of an 8B decode step on an H100 at the same batch and context, if the two
+    ran one after the other (as ``minillm``'s steps do)."""
+    engine, floor = host["engine_median_s"], card_step(_cfg(), host["batch"], host["ctx"], lookup_gpu(CARD))
+    return {"host_batch": str(host["batch"]), "host_ctx": fmt_int(host["ctx"]), "host_engine": ms(engine),
+            "host_card": CARD, "host_floor": floor_words(floor), "host_share": f"{engine / (engine + floor.seconds):.0%}",
+            "host_ops": fmt_int(host["launches"]["per_step"]), "host_model": host["launches"]["model"]}
+
+
 def _gpu_record():
     from minillm.lab import records
 
@@ -419,9 +448,9 @@ def show_comparison(s: DecodeSweep, ctx: int) -> None:
     ])
 
 
-def glue_chapter(lab, s: DecodeSweep, ctx: int, samplers: dict, sampler_rows: int) -> dict[str, str]:
+def glue_chapter(lab, s: DecodeSweep, ctx: int, samplers: dict, sampler_rows: int, host: dict) -> dict[str, str]:
     """What the chapter page quotes from this lab, glued (and returned); ``samplers`` timed on
-    ``sampler_rows`` rows, the sweep's largest batch."""
+    ``sampler_rows`` rows, the sweep's largest batch; ``host`` from :func:`time_host`."""
     if sampler_rows != s.points(ctx)[-1]:
         raise ValueError(f"time the samplers on the largest batch ({s.points(ctx)[-1]}), not {sampler_rows}")
     from myst_nb import glue
@@ -509,6 +538,7 @@ def glue_chapter(lab, s: DecodeSweep, ctx: int, samplers: dict, sampler_rows: in
               "ex4_topk": ms(samplers["topk"]), "ex4_share": f"{samplers['sort'] / s.step[hi, ctx]:.0%}"})
     v["ex4_speed"] = choose(samplers["topk"] < samplers["sort"], f"快了 {samplers['sort'] / samplers['topk']:.1f} 倍",
                             f"反而慢了（{samplers['topk'] / samplers['sort']:.1f} 倍）")
+    v |= host_words(host)
     v["record_note"] = _record_note()
     for key, value in v.items():
         glue(key, value, display=False)
