@@ -4,7 +4,8 @@
 cache for the step's input ids, positions and attention metadata (one host-to-device copy), runs
 the flat batch through the model (a decode step replays a CUDA graph) and samples the next token of
 every request whose tokens are now all computed (its stop tokens masked while it is short of
-``min_tokens``): one device-to-host copy.
+``min_tokens``): one device-to-host copy. A request with proposed tokens (speculative decoding)
+feeds them after its last token and gets a token sampled at each of their positions too.
 """
 from __future__ import annotations
 
@@ -48,17 +49,20 @@ class ModelRunner:
         self.generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Run the scheduled tokens; return request_id -> sampled token for every request whose
-        tokens are now all computed (a finished prompt or a decode)."""
+    def execute(self, output: SchedulerOutput) -> dict[str, list[int]]:
+        """Run the scheduled tokens; return request_id -> sampled tokens for every request whose
+        tokens are now all computed (a finished prompt or a decode): its next token, after each
+        of its proposed tokens one more."""
         self.kv.swap(output.blocks_to_swap_out, output.blocks_to_swap_in)
         batch, input_ids, last_rows, sampled_requests = [], [], [], []
         for request, num_new in output.scheduled:
-            start = request.num_computed_tokens
+            start, proposed = request.num_computed_tokens, request.spec_token_ids
             batch.append((request.request_id, start, num_new))
-            input_ids += request.token_ids(start, start + num_new)
-            if start + num_new == request.num_tokens:
-                last_rows.append(len(input_ids) - 1)
+            input_ids += request.token_ids(start, start + num_new - len(proposed))
+            if proposed:
+                input_ids += proposed
+            if start + num_new - len(proposed) == request.num_tokens:
+                last_rows += range(len(input_ids) - len(proposed) - 1, len(input_ids))
                 sampled_requests.append(request)
         input_ids, positions, attn = self.kv.prepare_inputs(batch, input_ids)
         if attn.max_query_len == 1 and self.decode_graphs.holds(len(batch)):
@@ -70,11 +74,13 @@ class ModelRunner:
         if len(last_rows) < len(hidden):  # only the rows whose next token is due
             hidden = hidden[torch.tensor(last_rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
-        params = [r.params for r in sampled_requests]
-        if any(len(r.output_token_ids) < r.params.min_tokens for r in sampled_requests):
-            logits = mask_early_stops(logits, params, [len(r.output_token_ids) for r in sampled_requests],
+        rows = [(r, j) for r in sampled_requests for j in range(len(r.spec_token_ids) + 1)]
+        params = [r.params for r, _ in rows]
+        if any(len(r.output_token_ids) + j < r.params.min_tokens for r, j in rows):
+            logits = mask_early_stops(logits, params, [len(r.output_token_ids) + j for r, j in rows],
                                       self.model.config.eos_token_ids)
-        generators = ([self.generators.get(r.request_id) for r in sampled_requests] if self.generators
-                      else [None] * len(sampled_requests))
-        tokens = sample(logits, params, generators)
-        return {r.request_id: t for r, t in zip(sampled_requests, tokens.tolist(), strict=True)}
+        generators = ([self.generators.get(r.request_id) for r, _ in rows] if self.generators
+                      else [None] * len(rows))
+        tokens = iter(sample(logits, params, generators).tolist())
+        return {r.request_id: [next(tokens) for _ in range(len(r.spec_token_ids) + 1)]
+                for r in sampled_requests}

@@ -75,6 +75,10 @@ class PagedKVCache(KVCache):
         """The request's KV is computed for ``token_ids``: its new full blocks join the prefix cache."""
         self.manager.commit(request_id, token_ids)
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` slots: the blocks past them go back (rejected proposals)."""
+        self.manager.truncate(request_id, num_tokens)
+
     def free(self, request_id: str) -> None:
         """Whatever the request holds goes back: its blocks and table row, its swapped-out blocks."""
         if request_id in self.manager:
