@@ -183,3 +183,18 @@ def test_smollm2_greedy_tokens_with_speculation_equal_those_without(smollm2):
     (off, off_stats), (on, stats) = results
     assert on == off
     assert stats["num_accepted_tokens"] > 0 and stats["num_steps"] < off_stats["num_steps"]
+
+
+def test_min_tokens_holds_at_every_proposed_position():
+    """Each request stops on a token of the plain answer, first met at index f, with min_tokens=f:
+    the stop token is masked at every proposed position before f, and only there, so each answer is
+    the plain one cut after index f, wherever f falls in a verified chunk."""
+    prompt = repetitive(1, 7, 30)
+    (answer,), _, _, _ = generate(None, [prompt], [greedy(40, ignore_eos=True)])
+    firsts = [f for f in range(2, 40) if answer[f] not in answer[:f]]
+    assert len(firsts) >= 8  # what the test relies on: stop tokens first met all along the answer
+    params = [greedy(40, ignore_eos=True, min_tokens=f, stop_token_ids=(answer[f],)) for f in firsts]
+    on, stats, _, llm = generate(NGRAM, [prompt] * len(params), params, max_num_batched_tokens=64)
+    assert on == [answer[:f + 1] for f in firsts]
+    assert stats["num_accepted_tokens"] > 0
+    assert_all_blocks_back(llm)
