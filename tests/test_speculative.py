@@ -198,3 +198,20 @@ def test_min_tokens_holds_at_every_proposed_position():
     assert on == [answer[:f + 1] for f in firsts]
     assert stats["num_accepted_tokens"] > 0
     assert_all_blocks_back(llm)
+
+
+def test_bench_speculative_prints_its_ratios_as_one_json_object(capsys):
+    import json
+
+    from minillm.__main__ import main
+
+    assert main(["bench", "speculative", "--max-tokens", "12", "--repeats", "1", "--device", "cpu",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["identical"] and result["model"] == "smollm2-135m" and result["batch"] == 1
+    assert result["speedup"] == result["off_s"] / result["on_s"]
+    assert result["tokens_per_step_off"] == 1.0 < result["tokens_per_step_on"]  # one request: a token a step off
+    assert result["generation_tokens"] == 12
+    assert 0 < result["num_accepted_tokens"] <= result["num_draft_tokens"]
+    assert result["acceptance_rate"] == result["num_accepted_tokens"] / result["num_draft_tokens"]
+    assert 1 < result["mean_accepted_length"] <= 1 + result["speculative_config"]["num_speculative_tokens"]
