@@ -15,7 +15,7 @@ from minillm.engine.engine_config import EngineConfig, SpeculativeConfig
 from minillm.engine.loader import load_model
 from minillm.engine.paging import KVCacheManager
 from minillm.engine.sampling import SamplingParams
-from minillm.engine.speculative import NgramProposer, accept_greedy
+from minillm.engine.speculative import NgramProposer, accept_greedy, accept_sampled
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -109,11 +109,11 @@ def assert_all_blocks_back(llm):
 
 
 def test_greedy_tokens_with_speculation_equal_those_without_in_a_mixed_batch():
-    """Chunked prefill (budget 16), two prompts sharing a prefix, a sampled request with a seed (never
-    proposed for), min_tokens with EOS live, a stop token met mid-answer, max_tokens."""
+    """Chunked prefill (budget 16), two prompts sharing a prefix, a sampled request beside the
+    greedy ones, min_tokens with EOS live, a stop token met mid-answer, max_tokens."""
     base = repetitive(1, 7, 30)
     prompts = [base, repetitive(2, 5, 21), base + repetitive(3, 4, 9), repetitive(4, 6, 26), base[:13]]
-    plain = [greedy(40, ignore_eos=True), SamplingParams(temperature=0.8, max_tokens=24, seed=5),
+    plain = [greedy(40, ignore_eos=True), SamplingParams(temperature=0.8, max_tokens=24, seed=5, ignore_eos=True),
              greedy(30, min_tokens=25), greedy(36, ignore_eos=True), greedy(19, ignore_eos=True)]
     off, _, _, _ = generate(None, prompts, plain)
     stop = off[3][17]  # a token first met late in prompt 3's answer ends it there
@@ -121,7 +121,8 @@ def test_greedy_tokens_with_speculation_equal_those_without_in_a_mixed_batch():
     params = plain[:3] + [greedy(36, ignore_eos=True, stop_token_ids=(stop,)), plain[4]]
     off, off_stats, _, _ = generate(None, prompts, params)
     on, stats, requests, llm = generate(NGRAM, prompts, params)
-    assert on == off
+    assert on[:1] + on[2:] == off[:1] + off[2:]  # the greedy ones; the sampled one draws differently
+    assert len(on[1]) == len(off[1]) == 24
     assert len(on[3]) == first + 1 and on[3][-1] == stop
     assert [len(t) for t in on[:1] + on[4:]] == [40, 19] and len(on[2]) >= 25
     assert stats["num_accepted_tokens"] > 0 and stats["num_steps"] < off_stats["num_steps"]
@@ -131,8 +132,6 @@ def test_greedy_tokens_with_speculation_equal_those_without_in_a_mixed_batch():
     assert sum(s["num_accepted_tokens"] for s in stats["steps"]) == stats["num_accepted_tokens"]
     assert sum(s["num_draft_tokens"] for s in stats["steps"]) == stats["num_draft_tokens"]
     assert sum(r.num_accepted_tokens for r in requests.values()) == stats["num_accepted_tokens"]
-    sampled_id = next(i for i, r in requests.items() if not r.params.greedy)
-    assert requests[sampled_id].num_draft_tokens == 0
     assert all(len(r.metrics.token_times) == len(r.output_token_ids) for r in requests.values())
     assert off_stats["num_draft_tokens"] == 0
     assert_all_blocks_back(llm)
@@ -215,3 +214,82 @@ def test_bench_speculative_prints_its_ratios_as_one_json_object(capsys):
     assert 0 < result["num_accepted_tokens"] <= result["num_draft_tokens"]
     assert result["acceptance_rate"] == result["num_accepted_tokens"] / result["num_draft_tokens"]
     assert 1 < result["mean_accepted_length"] <= 1 + result["speculative_config"]["num_speculative_tokens"]
+
+
+# -- temperature > 0: the rejection sampling ---------------------------------------------------------
+def target_probs(params, token_ids):
+    """The target's distribution for the token after ``token_ids`` under ``params`` (one prefill)."""
+    from minillm.engine.contiguous_cache import ContiguousKVCache
+    from minillm.engine.sampling import probabilities
+
+    model = tiny_model()
+    cache = ContiguousKVCache(model.config, 1, len(token_ids), model.dtype, model.device)
+    positions, attn = cache.append([0], [len(token_ids)])
+    with torch.inference_mode():
+        hidden = model(torch.tensor(token_ids), positions, attn, cache.layer_caches)
+        return probabilities(model.compute_logits(hidden[-1:]), [params])[0]
+
+
+def chi_square_p_value(counts: dict, expected: dict) -> float:
+    """The p-value of Pearson's chi-square statistic of ``counts`` against ``expected`` (same keys)."""
+    chi2 = sum((counts[c] - e) ** 2 / e for c, e in expected.items())
+    return float(torch.special.gammaincc(torch.tensor((len(expected) - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(chi2 / 2, dtype=torch.float64)))
+
+
+def test_rejection_sampling_draws_each_position_from_the_target():
+    """20,000 verify steps of two proposals over a 4-token vocabulary: the first token follows p0,
+    the second, after the first proposal was accepted, follows p1, the third p2 (chi-square
+    p-values above 1e-3); a point-mass draft accepts its token with probability p(token)."""
+    probs = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.1, 0.2], [0.25, 0.25, 0.25, 0.25]],
+                         dtype=torch.float64)
+    generator, draws = torch.Generator().manual_seed(0), 20_000
+    outs = [accept_sampled([2, 1], probs, generator) for _ in range(draws)]
+    for position, prefix in enumerate([[], [2], [2, 1]]):
+        tails = [o[position] for o in outs if o[:position] == prefix and len(o) > position]
+        counts = {t: tails.count(t) for t in range(4)}
+        expected = {t: len(tails) * float(probs[position, t]) for t in range(4)}
+        assert chi_square_p_value(counts, expected) > 1e-3, (position, counts, expected)
+    accepted_first = sum(o[0] == 2 for o in outs) / draws
+    assert abs(accepted_first - 0.2) < 0.02 and all(1 <= len(o) <= 3 for o in outs)
+
+
+def prompt_lookup_hits_for(params):
+    """A random prompt that holds every token the target may sample after it (so prompt lookup
+    proposes a token at the first decode step whichever comes first), one of whose proposals the
+    target may sample too (so proposals are accepted as well as rejected); found by search."""
+    for seed in range(1000):
+        rng = random.Random(seed)
+        prompt = [rng.randrange(CONFIG.vocab_size) for _ in range(48)]
+        firsts = target_probs(params, prompt).nonzero().flatten().tolist()
+        if not all(t in prompt[:-1] for t in firsts):
+            continue
+        proposals = {t: prompt[max(i for i, p in enumerate(prompt[:-1]) if p == t) + 1] for t in firsts}
+        if any(target_probs(params, prompt + [t])[x] > 0 for t, x in proposals.items()):
+            return prompt
+    raise AssertionError("no such prompt among the seeds tried")
+
+
+def test_sampled_tokens_with_speculation_follow_the_targets_distribution():
+    """3000 requests with seeds 0.., temperature 1.5 and top_k 3, on a prompt whose n-grams
+    propose a token at the first decode step. The pair (first, second) token is counted and tested
+    against the target's exact joint distribution p(t1) p(t2 | t1) (9 cells) by a chi-square test:
+    its p-value must exceed 1e-3. The proposals must have been both accepted and rejected, so that
+    both branches of the rejection sampling were drawn from."""
+    samples, params = 3000, SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True)
+    prompt = prompt_lookup_hits_for(params)
+    seeded = [SamplingParams(**{**vars(params), "seed": seed}) for seed in range(samples)]
+    on, stats, _, llm = generate(NGRAM, [prompt] * samples, seeded, num_kv_blocks=2048,
+                                 max_num_batched_tokens=2048)
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    first = target_probs(params, prompt)
+    expected = {}
+    for t1 in first.nonzero().flatten().tolist():
+        second = target_probs(params, prompt + [t1])
+        for t2 in second.nonzero().flatten().tolist():
+            expected[t1, t2] = samples * float(first[t1] * second[t2])
+    counts = {cell: 0 for cell in expected}
+    for tokens in on:
+        counts[tokens[0], tokens[1]] += 1  # a pair outside the support raises KeyError
+    assert len(expected) == 9 and chi_square_p_value(counts, expected) > 1e-3, (counts, expected)
+    assert_all_blocks_back(llm)

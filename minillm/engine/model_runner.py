@@ -5,7 +5,8 @@ cache for the step's input ids, positions and attention metadata (one host-to-de
 the flat batch through the model (a decode step replays a CUDA graph) and samples the next token of
 every request whose tokens are now all computed (its stop tokens masked while it is short of
 ``min_tokens``): one device-to-host copy. A request with proposed tokens (speculative decoding)
-feeds them after its last token and gets a token sampled at each of their positions too.
+feeds them after its last token; :func:`~minillm.engine.speculative.verify` turns the logits at
+its positions into the tokens it keeps.
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from minillm.engine.engine_config import EngineConfig
 from minillm.engine.kernels import warmup
 from minillm.engine.model import Transformer
 from minillm.engine.paged_cache import PagedKVCache
+from minillm.engine.request import Request
 from minillm.engine.quantization import warmup_quantized
 from minillm.engine.sampling import make_generator, mask_early_stops, sample
 from minillm.engine.scheduler import SchedulerOutput
+from minillm.engine.speculative import verify
 
 
 class ModelRunner:
@@ -51,8 +54,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, list[int]]:
         """Run the scheduled tokens; return request_id -> sampled tokens for every request whose
-        tokens are now all computed (a finished prompt or a decode): its next token, after each
-        of its proposed tokens one more."""
+        tokens are now all computed (a finished prompt or a decode): its next token, or with
+        proposed tokens those of them the target accepts and one more."""
         self.kv.swap(output.blocks_to_swap_out, output.blocks_to_swap_in)
         batch, input_ids, last_rows, sampled_requests = [], [], [], []
         for request, num_new in output.scheduled:
@@ -79,8 +82,27 @@ class ModelRunner:
         if any(len(r.output_token_ids) + j < r.params.min_tokens for r, j in rows):
             logits = mask_early_stops(logits, params, [len(r.output_token_ids) + j for r, j in rows],
                                       self.model.config.eos_token_ids)
-        generators = ([self.generators.get(r.request_id) for r, _ in rows] if self.generators
-                      else [None] * len(rows))
-        tokens = iter(sample(logits, params, generators).tolist())
-        return {r.request_id: [next(tokens) for _ in range(len(r.spec_token_ids) + 1)]
-                for r in sampled_requests}
+        if not output.num_draft_tokens:
+            generators = ([self.generators.get(r.request_id) for r in sampled_requests] if self.generators
+                          else [None] * len(sampled_requests))
+            tokens = sample(logits, params, generators).tolist()
+            return {r.request_id: [t] for r, t in zip(sampled_requests, tokens, strict=True)}
+        return self._verify(sampled_requests, logits)
+
+    def _verify(self, requests: list[Request], logits: torch.Tensor) -> dict[str, list[int]]:
+        """A step with proposals: each request's rows verified, the others sampled as usual."""
+        out, plain, plain_rows, row = {}, [], [], 0
+        for request in requests:
+            proposed = request.spec_token_ids
+            if proposed:
+                out[request.request_id] = verify(proposed, logits[row:row + len(proposed) + 1],
+                                                 request.params, self.generators.get(request.request_id))
+            else:
+                plain.append(request)
+                plain_rows.append(row)
+            row += len(proposed) + 1
+        if plain:
+            tokens = sample(logits[plain_rows], [r.params for r in plain],
+                            [self.generators.get(r.request_id) for r in plain]).tolist()
+            out.update((r.request_id, [t]) for r, t in zip(plain, tokens, strict=True))
+        return out

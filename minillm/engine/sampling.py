@@ -84,17 +84,11 @@ def mask_early_stops(logits: torch.Tensor, params_list: list[SamplingParams],
                             torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
 
 
-def sample(logits: torch.Tensor, params_list: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token id per row of ``logits`` [N, V], row i sampled with ``params_list[i]``."""
-    tokens = logits.argmax(dim=-1)
-    drawn_rows = [i for i, p in enumerate(params_list) if p.temperature > 0]
-    if not drawn_rows:
-        return tokens
-    rows = torch.tensor(drawn_rows, device=logits.device)
-    params = [params_list[i] for i in drawn_rows]
+def _kept_probs(logits: torch.Tensor, params: list[SamplingParams]):
+    """Rows of ``logits`` as probabilities after temperature, in descending order, with the tokens
+    top-k and top-p cut set to zero (not renormalized): ``(probs, order, keep)``."""
     temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-    scaled = logits[rows].float() / temperature[:, None]
+    scaled = logits.float() / temperature[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
 
@@ -104,7 +98,25 @@ def sample(logits: torch.Tensor, params_list: list[SamplingParams],
     rank = torch.arange(vocab, device=logits.device)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
     keep = (rank < top_k[:, None]) & (mass_before < top_p[:, None])  # the best token always stays
-    probs = probs * keep
+    return probs * keep, order, keep
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row is drawn from (temperature > 0), ``[N, V]`` in token order: what
+    :func:`sample` draws from, for rejection sampling to compare with."""
+    probs, order, _ = _kept_probs(logits, params)
+    return torch.zeros_like(probs).scatter_(1, order, probs / probs.sum(dim=-1, keepdim=True))
+
+
+def sample(logits: torch.Tensor, params_list: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token id per row of ``logits`` [N, V], row i sampled with ``params_list[i]``."""
+    tokens = logits.argmax(dim=-1)
+    drawn_rows = [i for i, p in enumerate(params_list) if p.temperature > 0]
+    if not drawn_rows:
+        return tokens
+    rows = torch.tensor(drawn_rows, device=logits.device)
+    probs, order, keep = _kept_probs(logits[rows], [params_list[i] for i in drawn_rows])
 
     # Inverse-CDF draw: u ~ U[0, 1) from the request's own generator, then the first token whose
     # cumulative (unnormalized) mass exceeds u * total. The kept tokens are a prefix of the order.

@@ -8,7 +8,7 @@ requests in arrival order (FCFS). A long prompt is split over several steps (chu
 does not stall everyone's next token; prompt blocks found in the prefix cache are not computed at
 all. When the KV pool runs out, the most recently admitted request is preempted: by *recompute*
 (drop its KV and compute it again later) or by *swap* (copy its KV blocks to a CPU pool and back).
-With speculative decoding on, a greedy request due for its next token also computes the tokens
+With speculative decoding on, a request due for its next token also computes the tokens
 :mod:`minillm.engine.speculative` proposes for it, if the budget and the pool have room for them;
 :meth:`Scheduler.update` keeps the accepted ones and gives back the rejected ones' KV slots.
 
@@ -24,7 +24,7 @@ from itertools import islice
 from minillm.engine.engine_config import EngineConfig
 from minillm.engine.paged_cache import PagedKVCache
 from minillm.engine.request import Request, RequestStatus
-from minillm.engine.speculative import NgramProposer, accept_greedy
+from minillm.engine.speculative import NgramProposer
 
 ADMISSION_STOPS = ("kv_pool", "token_budget", "max_num_seqs", "static_batch")
 
@@ -202,11 +202,10 @@ class Scheduler:
                                len(self.running), len(self.waiting), num_drafts, num_draft)
 
     def _propose(self, request: Request, budget: int) -> list[int]:
-        """The tokens to verify with a greedy request's next one: as many as the proposer finds,
+        """The tokens to verify with a request's next one: as many as the proposer finds,
         within the budget, ``max_tokens`` and ``max_model_len``, and only if the pool has room for
         them without preempting anyone ([] otherwise, and without speculation)."""
-        if (self.proposer is None or not request.params.greedy or not request.output_token_ids
-                or request.num_uncomputed_tokens != 1):
+        if self.proposer is None or not request.output_token_ids or request.num_uncomputed_tokens != 1:
             return []
         room = min(budget, request.params.max_tokens - len(request.output_token_ids),
                    self.config.max_model_len - request.num_tokens) - 1
@@ -257,10 +256,10 @@ class Scheduler:
         """Advance the scheduled requests by their computed tokens and append the sampled ones.
 
         ``sampled`` maps request_id -> new tokens for the requests whose tokens are now all
-        computed: one, or with proposals the target's greedy token at each of their positions
-        (:func:`~minillm.engine.speculative.accept_greedy` keeps the agreed ones; the rejected
-        ones' KV slots go back). Tokens are appended until one stops the request; each list is cut
-        to the tokens kept. Returns the requests that finished in this step (their blocks are freed).
+        computed: one, or with proposals the accepted ones and the target's token after them (the
+        rejected ones' KV slots go back). Tokens are appended until one stops the request; each
+        list is cut to the tokens kept. Returns the requests that finished in this step (their
+        blocks are freed).
         """
         finished = []
         block_size = self.kv.block_size
@@ -269,7 +268,6 @@ class Scheduler:
             tokens = sampled.get(request.request_id, [])
             proposed, request.spec_token_ids = request.spec_token_ids, []
             if proposed:
-                tokens[:] = accept_greedy(proposed, tokens)
                 num_new -= len(proposed) + 1 - len(tokens)  # the rejected ones' KV is not kept
                 request.num_draft_tokens += len(proposed)
                 request.num_accepted_tokens += len(tokens) - 1

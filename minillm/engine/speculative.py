@@ -5,19 +5,21 @@ itself (a summary quoting its input, code editing a given file), its next tokens
 from its own history: :class:`NgramProposer` finds the latest earlier place where the request's
 last n tokens occurred and proposes the tokens that followed there. The scheduler feeds the
 request's last token and the proposals as one short chunk (the paged prefill path: causal
-attention over the cache), the model runner takes the target's greedy token at every position and
-:func:`accept_greedy` keeps the longest run of proposals the target agrees with, plus the target's
-own token after it. The output is the one plain greedy decoding gives, token for token; the
-rejected positions' KV slots are given back by the scheduler.
-
-Only greedy requests are proposed for: a request with temperature > 0 decodes one token per step
-as without speculation (its distribution stays exactly the target's).
+attention over the cache) and the model runner asks :func:`verify` which tokens the step yields.
+Greedy, :func:`accept_greedy` keeps the longest run of proposals the target's argmax agrees with,
+plus the target's own token after it: the output is the one plain greedy decoding gives, token for
+token. With temperature > 0, :func:`accept_sampled` is the rejection sampling of Leviathan et al.
+(2023) for a draft that puts all its mass on the proposed token: the output is distributed as the
+target's. The scheduler gives the rejected positions' KV slots back.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from minillm.engine.engine_config import SpeculativeConfig
+from minillm.engine.sampling import SamplingParams, probabilities
 
 
 class NgramProposer:
@@ -57,3 +59,27 @@ def accept_greedy(proposed: Sequence[int], targets: Sequence[int]) -> list[int]:
     while accepted < len(proposed) and proposed[accepted] == targets[accepted]:
         accepted += 1
     return list(targets[:accepted + 1])
+
+
+def accept_sampled(proposed: Sequence[int], probs: torch.Tensor, generator: torch.Generator | None) -> list[int]:
+    """Rejection sampling with a point-mass draft. ``probs[i]``: the target's distribution after
+    the last token and ``proposed[:i]`` (``[len(proposed) + 1, V]``). Proposal x at position i is
+    accepted with probability min(1, p_i(x) / q(x)) = p_i(x); at the first rejection a token is
+    drawn from max(0, p_i - q), normalized: p_i without x; all accepted, one more is drawn from the
+    last row. Each output token is then distributed as the target's (Leviathan et al., 2023)."""
+    for i, token in enumerate(proposed):
+        if torch.rand(1, generator=generator, device=probs.device).item() < probs[i, token].item():
+            continue
+        residual = probs[i].clone()
+        residual[token] = 0
+        return list(proposed[:i]) + [int(torch.multinomial(residual, 1, generator=generator))]
+    return list(proposed) + [int(torch.multinomial(probs[-1], 1, generator=generator))]
+
+
+def verify(proposed: Sequence[int], logits: torch.Tensor, params: SamplingParams,
+           generator: torch.Generator | None) -> list[int]:
+    """The tokens one request's verify step yields from its ``len(proposed) + 1`` rows of logits
+    (stop tokens already masked where ``min_tokens`` says): greedy, or by rejection sampling."""
+    if params.greedy:
+        return accept_greedy(proposed, logits.argmax(dim=-1).tolist())
+    return accept_sampled(proposed, probabilities(logits, [params] * len(logits)), generator)
