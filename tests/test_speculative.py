@@ -77,6 +77,20 @@ def test_truncate_gives_back_the_blocks_past_the_kept_tokens():
     assert manager.num_free_blocks == 8
 
 
+def test_the_planner_sizes_the_sampler_for_every_verified_position():
+    """With k proposals a request samples k + 1 rows: the planned step has up to max_num_seqs x
+    (k + 1) of them, within the token budget, and its activation peak grows by the sampler's."""
+    from minillm.engine.planner import plan, sampler_peak_bytes
+
+    settings = dict(gpu_memory="24GiB", max_model_len=4096, max_num_seqs=64)
+    plain = plan("llama-3.1-8b", **settings)
+    spec = plan("llama-3.1-8b", **settings, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    vocab = load_config("llama-3.1-8b").vocab_size
+    grown = sampler_peak_bytes(64 * 5, vocab) - sampler_peak_bytes(64, vocab)
+    assert spec.activation_peak_bytes - plain.activation_peak_bytes == grown > 0
+    assert spec.num_blocks < plain.num_blocks
+
+
 # -- the engine on a tiny model -----------------------------------------------------------------------
 @functools.cache
 def tiny_model():

@@ -6,10 +6,11 @@ timestamps on each request's ``RequestMetrics`` and counts (vLLM's meanings): pr
 tokens (each request's prompt once, at its first token, prefix hits included), prefill tokens
 computed (recomputation included), generated tokens, prefix-cache queries and hits, steps and
 finished requests by reason, and for speculative decoding the drafts (requests given proposals in
-a step), the proposed tokens and the accepted ones (vLLM's ``spec_decode_num_*``). The counters run from the engine's start and are never reset
-(``totals``: what ``LLMEngine.snapshot`` and the server's ``/metrics`` read); a run is a window on
-them (:meth:`reset` marks where it starts, :meth:`counters` is the difference). Requests keep
-their own counts (``num_cached_tokens``, ``num_preemptions``); the KV manager keeps only the
+a step), the proposed tokens and the accepted ones (vLLM's ``spec_decode_num_*``). The counters
+run from the engine's start and are never reset (``totals``: what ``LLMEngine.snapshot`` and the
+server's ``/metrics`` read); a run is a window on them (:meth:`reset` marks where it starts,
+:meth:`counters` is the difference). Requests keep their own counts (``num_cached_tokens``,
+``num_preemptions``, ``num_draft_tokens``, ``num_accepted_tokens``); the KV manager keeps only the
 pool's state. The lab kit's records module writes all of it out as the run record.
 """
 from __future__ import annotations

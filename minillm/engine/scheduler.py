@@ -38,8 +38,7 @@ class SchedulerOutput:
     (cpu_block, gpu_block) pairs back to the GPU, then runs the forward pass. The counts are this
     step's decisions; whoever keeps run totals sums them. ``num_draft_tokens``: proposed tokens
     verified this step (each request's are in its ``spec_token_ids``), for ``num_drafts`` requests;
-    :meth:`Scheduler.update` fills
-    in ``num_accepted_tokens``, how many of them the target accepted.
+    :meth:`Scheduler.update` fills in ``num_accepted_tokens``, how many the target accepted.
     """
 
     scheduled: list[tuple[Request, int]]
