@@ -77,6 +77,22 @@ def test_truncate_gives_back_the_blocks_past_the_kept_tokens():
     assert manager.num_free_blocks == 8
 
 
+def test_a_truncated_table_row_is_written_again_where_it_grows_back():
+    """The block a truncate gives back may go to another request; the row that grows back over it
+    must then name its new block, not the old one."""
+    from minillm.engine.paged_cache import PagedKVCache
+
+    cache = PagedKVCache(CONFIG, num_blocks=6, block_size=4)
+    assert cache.allocate("a", 10)
+    cache.block_tables(["a"])
+    cache.truncate("a", 6)  # its third block goes back...
+    assert cache.allocate("b", 4)  # ...and "b" takes it
+    assert cache.allocate("a", 10)
+    a, b = cache.manager.block_table("a"), cache.manager.block_table("b")
+    assert a[2] != b[0]
+    assert cache.block_tables(["a", "b"])[:, :3].tolist() == [a, b + [0, 0]]
+
+
 def test_the_planner_sizes_the_sampler_for_every_verified_position():
     """With k proposals a request samples k + 1 rows: the planned step has up to max_num_seqs x
     (k + 1) of them, within the token budget, and its activation peak grows by the sampler's."""
@@ -145,25 +161,28 @@ def test_greedy_tokens_with_speculation_equal_those_without_in_a_mixed_batch():
     assert stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
     assert sum(s["num_accepted_tokens"] for s in stats["steps"]) == stats["num_accepted_tokens"]
     assert sum(s["num_draft_tokens"] for s in stats["steps"]) == stats["num_draft_tokens"]
+    assert all(sum(n for _, n in s["scheduled"]) == s["num_prefill_tokens"] + s["num_decode_tokens"]
+               + s["num_draft_tokens"] for s in stats["steps"])
     assert sum(r.num_accepted_tokens for r in requests.values()) == stats["num_accepted_tokens"]
     assert all(len(r.metrics.token_times) == len(r.output_token_ids) for r in requests.values())
     assert off_stats["num_draft_tokens"] == 0
     assert_all_blocks_back(llm)
 
 
-def test_speculation_is_exact_under_preemption_and_max_model_len():
-    """A pool too small for the batch (requests preempted, by recompute and by swap) and a
-    max_model_len that ends a request by length mid-proposal."""
+@pytest.mark.parametrize("mode, prefix", [("recompute", {}), ("swap", {"prefix_index": "radix"}),
+                                          ("recompute", {"enable_prefix_caching": False})])
+def test_speculation_is_exact_under_preemption_and_max_model_len(mode, prefix):
+    """A pool too small for the batch (requests preempted, by recompute and by swap; either prefix
+    index, or none) and a max_model_len that ends a request by length mid-proposal."""
     prompts = [repetitive(s, 5 + s, 18 + 3 * s) for s in range(4)]
     params = [greedy(30, ignore_eos=True)] * 4
-    for mode in ("recompute", "swap"):
-        args = {"num_kv_blocks": 24, "preemption_mode": mode, "max_model_len": 44}
-        off, off_stats, _, _ = generate(None, prompts, params, **args)
-        on, stats, _, llm = generate(NGRAM, prompts, params, **args)
-        assert on == off
-        assert [len(p) + len(t) for p, t in zip(prompts, on)] == [44, 44, 44, 44]  # by length
-        assert stats["num_preemptions"] > 0 and stats["num_accepted_tokens"] > 0
-        assert_all_blocks_back(llm)
+    args = {"num_kv_blocks": 24, "preemption_mode": mode, "max_model_len": 44, **prefix}
+    off, _, _, _ = generate(None, prompts, params, **args)
+    on, stats, _, llm = generate(NGRAM, prompts, params, **args)
+    assert on == off
+    assert [len(p) + len(t) for p, t in zip(prompts, on)] == [44, 44, 44, 44]  # by length
+    assert stats["num_preemptions"] > 0 and stats["num_accepted_tokens"] > 0
+    assert_all_blocks_back(llm)
 
 
 def test_acceptance_is_positive_on_a_repetitive_prompt_and_steps_yield_several_tokens():

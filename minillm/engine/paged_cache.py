@@ -76,8 +76,12 @@ class PagedKVCache(KVCache):
         self.manager.commit(request_id, token_ids)
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` slots: the blocks past them go back (rejected proposals)."""
+        """Keep the first ``num_tokens`` slots: the blocks past them go back (rejected proposals),
+        and the table row's entries past them count as unwritten (a block allocated there later
+        may be another one)."""
         self.manager.truncate(request_id, num_tokens)
+        entry = self._rows[request_id]
+        entry.written = min(entry.written, len(self.manager.request_blocks(request_id).blocks))
 
     def free(self, request_id: str) -> None:
         """Whatever the request holds goes back: its blocks and table row, its swapped-out blocks."""
