@@ -84,18 +84,22 @@ def mask_early_stops(logits: torch.Tensor, params_list: list[SamplingParams],
                             torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
 
 
-def _kept_probs(logits: torch.Tensor, params: list[SamplingParams]):
-    """Rows of ``logits`` as probabilities after temperature, in descending order, with the tokens
-    top-k and top-p cut set to zero (not renormalized): ``(probs, order, keep)``."""
+def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Rows of ``logits`` in float32, divided by their temperatures."""
     temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-    scaled = logits.float() / temperature[:, None]
+    return logits.float() / temperature[:, None]
+
+
+def _kept_probs(scaled: torch.Tensor, params: list[SamplingParams]):
+    """Rows of ``scaled`` logits as probabilities in descending order, with the tokens top-k and
+    top-p cut set to zero (not renormalized): ``(probs, order, keep)``."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
 
-    vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=logits.device)
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-    rank = torch.arange(vocab, device=logits.device)
+    vocab, device = scaled.shape[-1], scaled.device
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    rank = torch.arange(vocab, device=device)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
     keep = (rank < top_k[:, None]) & (mass_before < top_p[:, None])  # the best token always stays
     return probs * keep, order, keep
@@ -104,7 +108,7 @@ def _kept_probs(logits: torch.Tensor, params: list[SamplingParams]):
 def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution each row is drawn from (temperature > 0), ``[N, V]`` in token order: what
     :func:`sample` draws from, for rejection sampling to compare with."""
-    probs, order, _ = _kept_probs(logits, params)
+    probs, order, _ = _kept_probs(_scaled(logits, params), params)
     return torch.zeros_like(probs).scatter_(1, order, probs / probs.sum(dim=-1, keepdim=True))
 
 
@@ -116,7 +120,8 @@ def sample(logits: torch.Tensor, params_list: list[SamplingParams],
     if not drawn_rows:
         return tokens
     rows = torch.tensor(drawn_rows, device=logits.device)
-    probs, order, keep = _kept_probs(logits[rows], [params_list[i] for i in drawn_rows])
+    params = [params_list[i] for i in drawn_rows]
+    probs, order, keep = _kept_probs(_scaled(logits[rows], params), params)
 
     # Inverse-CDF draw: u ~ U[0, 1) from the request's own generator, then the first token whose
     # cumulative (unnormalized) mass exceeds u * total. The kept tokens are a prefix of the order.
