@@ -146,7 +146,7 @@ def test_greedy_tokens_with_speculation_equal_those_without_in_a_mixed_batch():
     plain = [greedy(40, ignore_eos=True), SamplingParams(temperature=0.8, max_tokens=24, seed=5, ignore_eos=True),
              greedy(30, min_tokens=25), greedy(36, ignore_eos=True), greedy(19, ignore_eos=True)]
     off, _, _, _ = generate(None, prompts, plain)
-    stop = off[3][17]  # a token first met late in prompt 3's answer ends it there
+    stop = off[3][17]  # a token of prompt 3's answer ends it where it first occurs
     first = off[3].index(stop)
     params = plain[:3] + [greedy(36, ignore_eos=True, stop_token_ids=(stop,)), plain[4]]
     off, off_stats, _, _ = generate(None, prompts, params)
@@ -201,7 +201,9 @@ def smollm2():
 
 
 def test_smollm2_greedy_tokens_with_speculation_equal_those_without(smollm2):
-    """Chats that ask for text the answer repeats (n-gram proposals hit), with one open question."""
+    """Chats that ask for text the answer repeats (n-gram proposals hit), with one open question, in
+    one batch: their prompts cut in chunks of the 64-token budget, their shared system prompt a
+    prefix-cache hit."""
     chats = ["Repeat this sentence three times: the cache keeps the keys and values of every token.",
              "Copy this list exactly: red apple, green pear, red apple, green pear, yellow plum.",
              "What is a GPU good at?"]
@@ -215,6 +217,7 @@ def test_smollm2_greedy_tokens_with_speculation_equal_those_without(smollm2):
     (off, off_stats), (on, stats) = results
     assert on == off
     assert stats["num_accepted_tokens"] > 0 and stats["num_steps"] < off_stats["num_steps"]
+    assert stats["prefix_hit_tokens"] > 0 and max(s["num_prefill_tokens"] for s in stats["steps"]) == 64
 
 
 def test_min_tokens_holds_at_every_proposed_position():

@@ -10,7 +10,8 @@ Greedy, :func:`accept_greedy` keeps the longest run of proposals the target's ar
 plus the target's own token after it: the output is the one plain greedy decoding gives, token for
 token. With temperature > 0, :func:`accept_sampled` is the rejection sampling of Leviathan et al.
 (2023) for a draft that puts all its mass on the proposed token: the output is distributed as the
-target's. The scheduler gives the rejected positions' KV slots back.
+target's (a seeded request is reproducible, but it draws other tokens than without speculation).
+The scheduler gives the rejected positions' KV slots back.
 """
 from __future__ import annotations
 
