@@ -244,6 +244,7 @@ def test_bench_speculative_prints_its_ratios_as_one_json_object(capsys):
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["identical"] and result["model"] == "smollm2-135m" and result["batch"] == 1
+    assert result["cpu_threads"] == 1  # the labs' policy by default
     assert result["speedup"] == result["off_s"] / result["on_s"]
     assert result["tokens_per_step_off"] == 1.0 < result["tokens_per_step_on"]  # one request: a token a step off
     assert result["generation_tokens"] == 12

@@ -6,7 +6,9 @@ Python Language Reference's help topics, as in ``bench quality``), so its answer
 prompt and n-gram proposals can hit. The same greedy requests run through two engines over one
 loaded model, speculation off and on, in turns (off, on, off, on, ...), each timed from the first
 request in to the last token out; a first untimed run of each warms it up. The outputs must be
-token for token the same, and are checked.
+token for token the same, and are checked. On the CPU torch gets ``threads`` threads (default 1,
+the labs' policy): on a small, shared CPU more threads make the few-row matmuls of a verify step
+wait on each other, and the ratio would measure that instead.
 """
 from __future__ import annotations
 
@@ -14,10 +16,14 @@ import json
 import statistics
 import time
 
+import torch
+
 from minillm.engine.llm import LLM
 from minillm.engine.loader import load_model
 from minillm.engine.sampling import SamplingParams
 from minillm.lab.bench_cli import add_options, report
+from minillm.lab.bench_serve import torch_threads
+from minillm.lab.machine_profile import CPU_THREADS
 from minillm.lab.bench_quality import quality_text
 
 PARAGRAPH_WORDS = 60
@@ -39,13 +45,20 @@ def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[fl
 
 def bench_speculative(model_name: str = "smollm2-135m", device=None, dtype=None, batch: int = 1,
                       max_tokens: int = 64, repeats: int = 3, num_speculative_tokens: int = 4,
-                      prompt_lookup_max: int = 4, prompt_lookup_min: int = 2) -> dict:
+                      prompt_lookup_max: int = 4, prompt_lookup_min: int = 2,
+                      threads: int | None = CPU_THREADS) -> dict:
     """Median wall time off and on over ``repeats`` turns, their ratio, tokens per decode step,
-    the acceptance rate (accepted / proposed) and the mean tokens per verified request-step."""
+    the acceptance rate (accepted / proposed) and the mean tokens per verified request-step.
+    ``threads``: torch's CPU threads meanwhile (None: as they are)."""
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    spec = {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
-            "prompt_lookup_max": prompt_lookup_max, "prompt_lookup_min": prompt_lookup_min}
+    with torch_threads(threads):
+        return _bench(model_name, device, dtype, batch, max_tokens, repeats, {
+            "method": "ngram", "num_speculative_tokens": num_speculative_tokens,
+            "prompt_lookup_max": prompt_lookup_max, "prompt_lookup_min": prompt_lookup_min})
+
+
+def _bench(model_name, device, dtype, batch: int, max_tokens: int, repeats: int, spec: dict) -> dict:
     model = load_model(model_name, device=device, dtype=dtype)
     engines = {"off": LLM(model, num_kv_blocks=NUM_KV_BLOCKS),
                "on": LLM(model, num_kv_blocks=NUM_KV_BLOCKS, speculative_config=spec)}
@@ -65,7 +78,7 @@ def bench_speculative(model_name: str = "smollm2-135m", device=None, dtype=None,
         steps = [step for step in s["steps"] if step["num_generated"]]
         return s["generation_tokens"] / len(steps)
 
-    return {"model": model.config.name, "device": str(model.device),
+    return {"model": model.config.name, "device": str(model.device), "cpu_threads": torch.get_num_threads(),
             "dtype": str(model.dtype).removeprefix("torch."), "batch": batch, "max_tokens": max_tokens,
             "repeats": repeats, "speculative_config": spec, "off_s": off_s, "on_s": on_s,
             "speedup": off_s / on_s, "identical": answers["on"] == answers["off"],
@@ -79,7 +92,7 @@ def bench_speculative(model_name: str = "smollm2-135m", device=None, dtype=None,
 def format_speculative(r: dict) -> str:
     spec = r["speculative_config"]
     return "\n".join([
-        f"model {r['model']} ({r['dtype']}) on {r['device']}, batch {r['batch']}, {r['max_tokens']} tokens "
+        f"model {r['model']} ({r['dtype']}) on {r['device']} ({r['cpu_threads']} CPU threads), batch {r['batch']}, {r['max_tokens']} tokens "
         f"each, n-gram speculation k={spec['num_speculative_tokens']}, n in "
         f"[{spec['prompt_lookup_min']}, {spec['prompt_lookup_max']}], median of {r['repeats']} turns",
         f"wall time: off {r['off_s']:.3f} s, on {r['on_s']:.3f} s, speedup {r['speedup']:.2f}x; "
@@ -102,6 +115,8 @@ def add_cli(bench_commands) -> None:
     cmd.add_argument("--num-speculative-tokens", type=int, default=4)
     cmd.add_argument("--prompt-lookup-max", type=int, default=4)
     cmd.add_argument("--prompt-lookup-min", type=int, default=2)
+    cmd.add_argument("--threads", type=int, default=CPU_THREADS,
+                     help=f"torch's CPU threads during the runs (default {CPU_THREADS})")
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
     cmd.set_defaults(func=run_cli)
 
@@ -109,5 +124,5 @@ def add_cli(bench_commands) -> None:
 def run_cli(args) -> int:
     return report(args, "speculative", {}, lambda device: bench_speculative(
         args.model, device, args.dtype, args.batch, args.max_tokens, args.repeats,
-        args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min),
+        args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min, args.threads),
         json.dumps if args.json else format_speculative)
