@@ -74,3 +74,16 @@ def test_no_stop_string_counts_before_min_tokens():
     assert "".join(pieces) == "hello worldhe" and text.token_ids == ids[:6]
     _, early = stream(ids, stop=["llo"])
     assert early.text == "he"
+
+
+def test_several_tokens_in_one_step_stop_where_one_token_a_step_would():
+    """A step that brings several tokens (speculative decoding): the stop string, min_tokens and the
+    ids kept are those of one token a step."""
+    ids = [0, 1, 2, 3, 0, 1, 6]
+    _, one_a_step = stream(ids, stop=["llo"], min_tokens=3)
+    text = Detokenizer(ByteTokenizer(), ["llo"], 3)
+    text.add(ids[:3])
+    text.add(ids[3:], finished=True)
+    assert (text.stopped, text.text, text.token_ids) == (True, "hello worldhe", ids[:6])
+    assert (text.text, text.token_ids) == (one_a_step.text, one_a_step.token_ids)
+    assert text.take(finished=True) == "hello worldhe"

@@ -53,7 +53,7 @@ def needs_token(request, num_new):
 def step(scheduler, token=lambda r: TOKEN):
     """One schedule + fake forward + update; returns the SchedulerOutput."""
     out = scheduler.schedule()
-    sampled = {r.request_id: token(r) for r, n in out.scheduled if needs_token(r, n)}
+    sampled = {r.request_id: [token(r)] for r, n in out.scheduled if needs_token(r, n)}
     scheduler.update(out, sampled)
     return out
 
@@ -204,7 +204,7 @@ def test_static_batch_reason_and_decode_count():
     step(s)
     out = s.schedule()
     assert out.admission_stop == "max_num_seqs" and out.num_decode_tokens == 2
-    s.update(out, {r.request_id: TOKEN for r, _ in out.scheduled})
+    s.update(out, {r.request_id: [TOKEN] for r, _ in out.scheduled})
     s.abort("b")
     assert s.schedule().admission_stop == "static_batch"  # a room is free, but the batch is not done
 

@@ -148,7 +148,7 @@ class LLMEngine:
                                   self.kv_cache.manager.num_free_blocks)
         for request in finished:
             self._retire(request, end)
-        return outputs + [self._output(r, [sampled[r.request_id]]) for r, _ in scheduled.scheduled
+        return outputs + [self._output(r, sampled[r.request_id]) for r, _ in scheduled.scheduled
                           if r.request_id in sampled]
 
     def _retire(self, request: Request, when: float) -> None:

@@ -20,6 +20,7 @@ QUANTIZATIONS = (None, "int8", "int4")  # weight-only (minillm.engine.quantizati
 GROUP_SIZES = (32, 128)  # int4's groups along the input dimension
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the model's dtype; "fp8": e4m3, one byte per element
 SWAP_SPACE_BYTES = 4 * GiB  # default CPU pool for swap preemption (vLLM's swap_space default)
+SPECULATIVE_METHODS = ("ngram",)  # prompt lookup: no draft model
 
 
 def check_positive_int(name: str, value) -> None:
@@ -36,6 +37,44 @@ def check_max_model_len(max_model_len: int | None, max_position_embeddings: int)
 def check_choice(name: str, value, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (vLLM's ``speculative_config`` keys): up to
+    ``num_speculative_tokens`` tokens are proposed by matching the last n tokens of a request, n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``, against its earlier tokens. A missing
+    lookup size takes the other's value; both missing: 5 and 5 (vLLM's defaults)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    @classmethod
+    def from_dict(cls, settings) -> "SpeculativeConfig":
+        """``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+        "prompt_lookup_min": m}`` (a ``SpeculativeConfig`` passes as it is); ``ValueError`` else."""
+        if isinstance(settings, cls):
+            return settings
+        if not isinstance(settings, dict):
+            raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', "
+                             f"'num_speculative_tokens': 3}}, got {settings!r}")
+        unknown = set(settings) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
+        check_choice("speculative_config['method']", settings.get("method"), SPECULATIVE_METHODS)
+        check_positive_int("speculative_config['num_speculative_tokens']",
+                           settings.get("num_speculative_tokens"))
+        high, low = settings.get("prompt_lookup_max"), settings.get("prompt_lookup_min")
+        if high is None and low is None:
+            high = low = 5
+        high, low = (low if high is None else high), (high if low is None else low)
+        check_positive_int("speculative_config['prompt_lookup_max']", high)
+        check_positive_int("speculative_config['prompt_lookup_min']", low)
+        if low > high:
+            raise ValueError(f"speculative_config: prompt_lookup_min={low} exceeds prompt_lookup_max={high}")
+        return cls(settings["method"], settings["num_speculative_tokens"], high, low)
 
 
 @dataclass(frozen=True)
@@ -60,6 +99,7 @@ class EngineConfig:
     quantization: str | None = None  # "int8" or "int4": weight-only, applied when the model is loaded
     group_size: int = 32  # int4's group along the input dimension (32 or 128)
     kv_cache_dtype: str = "auto"  # "fp8": the paged cache holds e4m3 keys and values (vLLM's name)
+    speculative_config: SpeculativeConfig | None = None  # a dict of vLLM's keys turns on prompt lookup
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -93,6 +133,8 @@ class EngineConfig:
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("group_size", self.group_size, GROUP_SIZES)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
 
     def replace(self, **changes) -> "EngineConfig":
         """A copy with some settings changed (validated again)."""

@@ -4,7 +4,9 @@
 cache for the step's input ids, positions and attention metadata (one host-to-device copy), runs
 the flat batch through the model (a decode step replays a CUDA graph) and samples the next token of
 every request whose tokens are now all computed (its stop tokens masked while it is short of
-``min_tokens``): one device-to-host copy.
+``min_tokens``): one device-to-host copy. A request with proposed tokens (speculative decoding)
+feeds them after its last token; :func:`~minillm.engine.speculative.verify` turns the logits at
+its positions into the tokens it keeps.
 """
 from __future__ import annotations
 
@@ -15,9 +17,11 @@ from minillm.engine.engine_config import EngineConfig
 from minillm.engine.kernels import warmup
 from minillm.engine.model import Transformer
 from minillm.engine.paged_cache import PagedKVCache
+from minillm.engine.request import Request
 from minillm.engine.quantization import warmup_quantized
 from minillm.engine.sampling import make_generator, mask_early_stops, sample
 from minillm.engine.scheduler import SchedulerOutput
+from minillm.engine.speculative import verify
 
 
 class ModelRunner:
@@ -48,17 +52,20 @@ class ModelRunner:
         self.generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Run the scheduled tokens; return request_id -> sampled token for every request whose
-        tokens are now all computed (a finished prompt or a decode)."""
+    def execute(self, output: SchedulerOutput) -> dict[str, list[int]]:
+        """Run the scheduled tokens; return request_id -> sampled tokens for every request whose
+        tokens are now all computed (a finished prompt or a decode): its next token, or with
+        proposed tokens those of them the target accepts and one more."""
         self.kv.swap(output.blocks_to_swap_out, output.blocks_to_swap_in)
         batch, input_ids, last_rows, sampled_requests = [], [], [], []
         for request, num_new in output.scheduled:
-            start = request.num_computed_tokens
+            start, proposed = request.num_computed_tokens, request.spec_token_ids
             batch.append((request.request_id, start, num_new))
-            input_ids += request.token_ids(start, start + num_new)
-            if start + num_new == request.num_tokens:
-                last_rows.append(len(input_ids) - 1)
+            input_ids += request.token_ids(start, start + num_new - len(proposed))
+            if proposed:
+                input_ids += proposed
+            if start + num_new - len(proposed) == request.num_tokens:
+                last_rows += range(len(input_ids) - len(proposed) - 1, len(input_ids))
                 sampled_requests.append(request)
         input_ids, positions, attn = self.kv.prepare_inputs(batch, input_ids)
         if attn.max_query_len == 1 and self.decode_graphs.holds(len(batch)):
@@ -70,11 +77,32 @@ class ModelRunner:
         if len(last_rows) < len(hidden):  # only the rows whose next token is due
             hidden = hidden[torch.tensor(last_rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
-        params = [r.params for r in sampled_requests]
-        if any(len(r.output_token_ids) < r.params.min_tokens for r in sampled_requests):
-            logits = mask_early_stops(logits, params, [len(r.output_token_ids) for r in sampled_requests],
+        rows = [(r, j) for r in sampled_requests for j in range(len(r.spec_token_ids) + 1)]
+        params = [r.params for r, _ in rows]
+        if any(len(r.output_token_ids) + j < r.params.min_tokens for r, j in rows):
+            logits = mask_early_stops(logits, params, [len(r.output_token_ids) + j for r, j in rows],
                                       self.model.config.eos_token_ids)
-        generators = ([self.generators.get(r.request_id) for r in sampled_requests] if self.generators
-                      else [None] * len(sampled_requests))
-        tokens = sample(logits, params, generators)
-        return {r.request_id: t for r, t in zip(sampled_requests, tokens.tolist(), strict=True)}
+        if not output.num_draft_tokens:
+            generators = ([self.generators.get(r.request_id) for r in sampled_requests] if self.generators
+                          else [None] * len(sampled_requests))
+            tokens = sample(logits, params, generators).tolist()
+            return {r.request_id: [t] for r, t in zip(sampled_requests, tokens, strict=True)}
+        return self._verify(sampled_requests, logits)
+
+    def _verify(self, requests: list[Request], logits: torch.Tensor) -> dict[str, list[int]]:
+        """A step with proposals: each request's rows verified, the others sampled as usual."""
+        out, plain, plain_rows, row = {}, [], [], 0
+        for request in requests:
+            proposed = request.spec_token_ids
+            if proposed:
+                out[request.request_id] = verify(proposed, logits[row:row + len(proposed) + 1],
+                                                 request.params, self.generators.get(request.request_id))
+            else:
+                plain.append(request)
+                plain_rows.append(row)
+            row += len(proposed) + 1
+        if plain:
+            tokens = sample(logits[plain_rows], [r.params for r in plain],
+                            [self.generators.get(r.request_id) for r in plain]).tolist()
+            out.update((r.request_id, [t]) for r, t in zip(plain, tokens, strict=True))
+        return out

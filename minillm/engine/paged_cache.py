@@ -75,6 +75,14 @@ class PagedKVCache(KVCache):
         """The request's KV is computed for ``token_ids``: its new full blocks join the prefix cache."""
         self.manager.commit(request_id, token_ids)
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` slots: the blocks past them go back (rejected proposals),
+        and the table row's entries past them count as unwritten (a block allocated there later
+        may be another one)."""
+        self.manager.truncate(request_id, num_tokens)
+        entry = self._rows[request_id]
+        entry.written = min(entry.written, len(self.manager.request_blocks(request_id).blocks))
+
     def free(self, request_id: str) -> None:
         """Whatever the request holds goes back: its blocks and table row, its swapped-out blocks."""
         if request_id in self.manager:

@@ -215,7 +215,9 @@ def plan(model, device=None, dtype=None, gpu_memory=None, engine_config: EngineC
     check_max_model_len(config.max_model_len, cfg.max_position_embeddings)
 
     num_tokens = config.max_num_batched_tokens
-    num_seqs = min(config.max_num_seqs, num_tokens)
+    spec = config.speculative_config  # a request verifying k proposals samples k + 1 rows
+    rows_per_seq = 1 if spec is None else spec.num_speculative_tokens + 1
+    num_seqs = min(config.max_num_seqs * rows_per_seq, num_tokens)  # the step with the most sampled rows
     if gpu_memory is not None:
         measured = _dry_run(cfg, dtype, gpu_memory, num_tokens, num_seqs, config)
     else:

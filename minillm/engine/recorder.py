@@ -5,10 +5,12 @@ them, with the step's start and end on the engine's clock, into the step log, st
 timestamps on each request's ``RequestMetrics`` and counts (vLLM's meanings): preemptions, prompt
 tokens (each request's prompt once, at its first token, prefix hits included), prefill tokens
 computed (recomputation included), generated tokens, prefix-cache queries and hits, steps and
-finished requests by reason. The counters run from the engine's start and are never reset
-(``totals``: what ``LLMEngine.snapshot`` and the server's ``/metrics`` read); a run is a window on
-them (:meth:`reset` marks where it starts, :meth:`counters` is the difference). Requests keep
-their own counts (``num_cached_tokens``, ``num_preemptions``); the KV manager keeps only the
+finished requests by reason, and for speculative decoding the drafts (requests given proposals in
+a step), the proposed tokens and the accepted ones (vLLM's ``spec_decode_num_*``). The counters
+run from the engine's start and are never reset (``totals``: what ``LLMEngine.snapshot`` and the
+server's ``/metrics`` read); a run is a window on them (:meth:`reset` marks where it starts,
+:meth:`counters` is the difference). Requests keep their own counts (``num_cached_tokens``,
+``num_preemptions``, ``num_draft_tokens``, ``num_accepted_tokens``); the KV manager keeps only the
 pool's state. The lab kit's records module writes all of it out as the run record.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from minillm.engine.scheduler import SchedulerOutput
 FINISH_REASONS = ("stop", "length", "abort")
 COUNTERS = ("num_steps", "num_preemptions", "prefix_query_tokens", "prefix_hit_tokens",
             "prompt_tokens", "num_prefill_tokens", "generation_tokens",
+            "num_drafts", "num_draft_tokens", "num_accepted_tokens",
             *(f"num_finished_{reason}" for reason in FINISH_REASONS))
 
 
@@ -39,7 +42,7 @@ class Recorder:
         self.finished: deque[Request] = deque(maxlen=self.log_limit)
         self._run_start = dict(self.totals)
 
-    def record_step(self, output: SchedulerOutput, sampled: dict[str, int], start: float, end: float,
+    def record_step(self, output: SchedulerOutput, sampled: dict[str, list[int]], start: float, end: float,
                     num_free_blocks_before: int, num_free_blocks: int) -> None:
         """One step: stamp its requests, count its decisions and log it."""
         totals = self.totals
@@ -51,13 +54,17 @@ class Recorder:
                 if metrics.first_token_time is None:
                     metrics.first_token_time = end
                     totals["prompt_tokens"] += request.num_prompt_tokens
-                metrics.token_times.append(end)
+                metrics.token_times += [end] * len(sampled[request.request_id])
         totals["num_steps"] += 1
         totals["num_preemptions"] += len(output.preempted)
         totals["prefix_query_tokens"] += output.num_prefix_queries
         totals["prefix_hit_tokens"] += output.num_cached_tokens
         totals["num_prefill_tokens"] += output.num_prefill_tokens
-        totals["generation_tokens"] += len(sampled)
+        num_generated = sum(map(len, sampled.values()))
+        totals["generation_tokens"] += num_generated
+        totals["num_drafts"] += output.num_drafts
+        totals["num_draft_tokens"] += output.num_draft_tokens
+        totals["num_accepted_tokens"] += output.num_accepted_tokens
         self.steps.append({
             "step": totals["num_steps"] - self._run_start["num_steps"] - 1, "start": start, "end": end,
             "scheduled": [[r.request_id, n] for r, n in output.scheduled],
@@ -65,6 +72,9 @@ class Recorder:
             "num_prefill_tokens": output.num_prefill_tokens,
             "num_decode_tokens": output.num_decode_tokens,
             "num_sampled": len(sampled),  # requests that got a token: their last position's logits
+            "num_generated": num_generated,  # tokens they got (more than one with accepted proposals)
+            "num_draft_tokens": output.num_draft_tokens,
+            "num_accepted_tokens": output.num_accepted_tokens,
             "preempted": [r.request_id for r in output.preempted],
             "num_swapped_blocks": len(output.blocks_to_swap_out) + len(output.blocks_to_swap_in),
             "num_cached_tokens": output.num_cached_tokens,

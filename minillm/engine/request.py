@@ -101,6 +101,9 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at its first admission (vLLM's name)
     num_preemptions: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # proposed tokens this step verifies (vLLM's name)
+    num_draft_tokens: int = 0  # tokens proposed for it so far (speculative decoding)
+    num_accepted_tokens: int = 0  # of those, accepted by the target
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self):

@@ -84,6 +84,34 @@ def mask_early_stops(logits: torch.Tensor, params_list: list[SamplingParams],
                             torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
 
 
+def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Rows of ``logits`` in float32, divided by their temperatures."""
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+    return logits.float() / temperature[:, None]
+
+
+def _kept_probs(scaled: torch.Tensor, params: list[SamplingParams]):
+    """Rows of ``scaled`` logits as probabilities in descending order, with the tokens top-k and
+    top-p cut set to zero (not renormalized): ``(probs, order, keep)``."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+
+    vocab, device = scaled.shape[-1], scaled.device
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    rank = torch.arange(vocab, device=device)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
+    keep = (rank < top_k[:, None]) & (mass_before < top_p[:, None])  # the best token always stays
+    return probs * keep, order, keep
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row is drawn from (temperature > 0), ``[N, V]`` in token order: what
+    :func:`sample` draws from, for rejection sampling to compare with."""
+    probs, order, _ = _kept_probs(_scaled(logits, params), params)
+    return torch.zeros_like(probs).scatter_(1, order, probs / probs.sum(dim=-1, keepdim=True))
+
+
 def sample(logits: torch.Tensor, params_list: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token id per row of ``logits`` [N, V], row i sampled with ``params_list[i]``."""
@@ -93,18 +121,7 @@ def sample(logits: torch.Tensor, params_list: list[SamplingParams],
         return tokens
     rows = torch.tensor(drawn_rows, device=logits.device)
     params = [params_list[i] for i in drawn_rows]
-    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-    scaled = logits[rows].float() / temperature[:, None]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-
-    vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=logits.device)
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-    rank = torch.arange(vocab, device=logits.device)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
-    keep = (rank < top_k[:, None]) & (mass_before < top_p[:, None])  # the best token always stays
-    probs = probs * keep
+    probs, order, keep = _kept_probs(_scaled(logits[rows], params), params)
 
     # Inverse-CDF draw: u ~ U[0, 1) from the request's own generator, then the first token whose
     # cumulative (unnormalized) mass exceeds u * total. The kept tokens are a prefix of the order.

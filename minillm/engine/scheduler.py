@@ -8,6 +8,9 @@ requests in arrival order (FCFS). A long prompt is split over several steps (chu
 does not stall everyone's next token; prompt blocks found in the prefix cache are not computed at
 all. When the KV pool runs out, the most recently admitted request is preempted: by *recompute*
 (drop its KV and compute it again later) or by *swap* (copy its KV blocks to a CPU pool and back).
+With speculative decoding on, a request due for its next token also computes the tokens
+:mod:`minillm.engine.speculative` proposes for it, if the budget and the pool have room for them;
+:meth:`Scheduler.update` keeps the accepted ones and gives back the rejected ones' KV slots.
 
 :class:`StaticBatchScheduler` is the baseline the chapter compares against: a batch is formed,
 runs to completion, and only then is the next batch taken.
@@ -21,6 +24,7 @@ from itertools import islice
 from minillm.engine.engine_config import EngineConfig
 from minillm.engine.paged_cache import PagedKVCache
 from minillm.engine.request import Request, RequestStatus
+from minillm.engine.speculative import NgramProposer
 
 ADMISSION_STOPS = ("kv_pool", "token_budget", "max_num_seqs", "static_batch")
 
@@ -32,7 +36,9 @@ class SchedulerOutput:
     ``scheduled``: (request, number of new tokens) in batch order. The engine first copies
     ``blocks_to_swap_out`` (gpu_block, cpu_block) pairs to the CPU, then ``blocks_to_swap_in``
     (cpu_block, gpu_block) pairs back to the GPU, then runs the forward pass. The counts are this
-    step's decisions; whoever keeps run totals sums them.
+    step's decisions; whoever keeps run totals sums them. ``num_draft_tokens``: proposed tokens
+    verified this step (each request's are in its ``spec_token_ids``), for ``num_drafts`` requests;
+    :meth:`Scheduler.update` fills in ``num_accepted_tokens``, how many the target accepted.
     """
 
     scheduled: list[tuple[Request, int]]
@@ -46,10 +52,13 @@ class SchedulerOutput:
     admission_stop: str | None  # why requests are left waiting (one of ADMISSION_STOPS); None: none wait
     num_running: int
     num_waiting: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
+        return self.num_prefill_tokens + self.num_decode_tokens + self.num_draft_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -71,6 +80,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
 
     # -- requests in and out ---------------------------------------------------------------------
     def check_request(self, request_id: str, num_prompt_tokens: int) -> None:
@@ -127,7 +138,7 @@ class Scheduler:
         preempted: list[Request] = []
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
-        num_decode = 0
+        num_decode = num_drafts = num_draft = 0
 
         # 1. Running requests, oldest first. Preempting always takes the newest one, which has not
         #    been scheduled yet this step (or is the request itself).
@@ -138,6 +149,8 @@ class Scheduler:
             if num_new == 0:  # a long recompute that waits for a fuller budget
                 index += 1
                 continue
+            request.spec_token_ids = self._propose(request, budget)
+            num_new += len(request.spec_token_ids)
             while not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 preempted.append(victim)
@@ -146,7 +159,9 @@ class Scheduler:
                     break
             else:
                 scheduled.append((request, num_new))
-                num_decode += _is_decode(request, num_new)
+                num_decode += _is_decode(request, num_new - len(request.spec_token_ids))
+                num_drafts += bool(request.spec_token_ids)
+                num_draft += len(request.spec_token_ids)
                 budget -= num_new
                 index += 1
 
@@ -181,9 +196,22 @@ class Scheduler:
             num_decode += _is_decode(request, num_new)  # a request swapped back in decodes at once
             budget -= num_new
         num_batched = sum(n for _, n in scheduled)
-        return SchedulerOutput(scheduled, num_batched - num_decode, num_decode, preempted, swap_out,
-                               swap_in, queries, cached_total, stop if self.waiting else None,
-                               len(self.running), len(self.waiting))
+        return SchedulerOutput(scheduled, num_batched - num_decode - num_draft, num_decode, preempted,
+                               swap_out, swap_in, queries, cached_total, stop if self.waiting else None,
+                               len(self.running), len(self.waiting), num_drafts, num_draft)
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """The tokens to verify with a request's next one: as many as the proposer finds,
+        within the budget, ``max_tokens`` and ``max_model_len``, and only if the pool has room for
+        them without preempting anyone ([] otherwise, and without speculation)."""
+        if self.proposer is None or not request.output_token_ids or request.num_uncomputed_tokens != 1:
+            return []
+        room = min(budget, request.params.max_tokens - len(request.output_token_ids),
+                   self.config.max_model_len - request.num_tokens) - 1
+        proposed = self.proposer.propose(request.all_token_ids, room)
+        if proposed and not self.kv.allocate(request.request_id, request.num_tokens + len(proposed)):
+            return []
+        return proposed
 
     def _admission_blocked(self, budget: int, preempted: list[Request]) -> str | None:
         """Why the head of the waiting queue cannot be admitted this step, before looking at it."""
@@ -223,24 +251,38 @@ class Scheduler:
         return swap_out
 
     # -- after the forward pass ------------------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Advance the scheduled requests by their computed tokens and append the sampled ones.
 
-        ``sampled`` maps request_id -> new token for the requests whose tokens are now all
-        computed. Returns the requests that finished in this step (their blocks are freed).
+        ``sampled`` maps request_id -> new tokens for the requests whose tokens are now all
+        computed: one, or with proposals the accepted ones and the target's token after them (the
+        rejected ones' KV slots go back). Tokens are appended until one stops the request; each
+        list is cut to the tokens kept. Returns the requests that finished in this step (their
+        blocks are freed).
         """
         finished = []
         block_size = self.kv.block_size
         for request, num_new in output.scheduled:
             before = request.num_computed_tokens
-            request.num_computed_tokens += num_new
+            tokens = sampled.get(request.request_id, [])
+            proposed, request.spec_token_ids = request.spec_token_ids, []
+            if proposed:
+                num_new -= len(proposed) + 1 - len(tokens)  # the rejected ones' KV is not kept
+                request.num_draft_tokens += len(proposed)
+                request.num_accepted_tokens += len(tokens) - 1
+                output.num_accepted_tokens += len(tokens) - 1
+            reason = None
+            for kept, token in enumerate(tokens, 1):
+                request.output_token_ids.append(token)
+                reason = self._stop_reason(request, token)
+                if reason is not None:
+                    del tokens[kept:]
+                    break
+            request.num_computed_tokens = min(before + num_new, request.num_tokens)
+            if proposed and reason is None:
+                self.kv.truncate(request.request_id, request.num_computed_tokens)
             if request.num_computed_tokens // block_size > before // block_size:  # a block filled up
                 self.kv.commit(request.request_id, request.token_ids(0, request.num_computed_tokens))
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.output_token_ids.append(token)
-            reason = self._stop_reason(request, token)
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason)

@@ -30,10 +30,16 @@ class Detokenizer:
         self._sent = 0  # characters handed out by take()
 
     def add(self, token_ids: list[int], finished: bool = False) -> None:
-        """Decode the new tokens (all of them when ``finished``) and look for stop strings."""
+        """Decode the new tokens (all of them when ``finished``) and look for stop strings, one token
+        at a time: a step that brings several (speculative decoding) reads as that many steps of
+        one, so a stop string ends the text, and the ids, at the same token."""
+        for i, token in enumerate(token_ids):
+            self._add(token, finished and i == len(token_ids) - 1)
+
+    def _add(self, token: int, finished: bool) -> None:
         if self.stopped:
             return
-        self.token_ids += token_ids
+        self.token_ids.append(token)
         if self.tokenizer is None or self._read == len(self.token_ids):
             return
         before = self._decode(self._prefix, self._read)

@@ -161,7 +161,24 @@ class KVCacheManager:
         """Give back all blocks of a request, tail first; cached ones keep their key."""
         request = self.request_blocks(request_id)
         del self._requests[request_id]
-        for block in reversed(request.blocks):
+        self._release(request.blocks)
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Hold only the first ``num_tokens`` token slots (the rest held rejected speculative
+        tokens): the blocks past them go back to the pool. Committed blocks stay."""
+        request = self.request_blocks(request_id)
+        if not request.num_committed_blocks * self.block_size <= num_tokens <= request.num_tokens:
+            raise ValueError(f"request {request_id!r}: truncate to {num_tokens} tokens, outside "
+                             f"[{request.num_committed_blocks * self.block_size}, {request.num_tokens}]")
+        keep = -(-num_tokens // self.block_size)
+        self._release(request.blocks[keep:])
+        del request.blocks[keep:]
+        request.num_tokens = num_tokens
+
+    def _release(self, blocks: list[int]) -> None:
+        """Drop a reference to each block, last first; a block nobody holds is freed, or stays in
+        the prefix cache (evictable) if it is cached."""
+        for block in reversed(blocks):
             if self.pool.decref(block) == 0:
                 if self.index is not None and block in self.index:
                     self.index.unlock(block)

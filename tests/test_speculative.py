@@ -1,0 +1,332 @@
+"""Speculative decoding by prompt lookup (minillm.engine.speculative): the proposer and the
+acceptance rule on known token lists, and the engine with speculation on giving the same greedy
+tokens as with it off (float64 on the CPU), in mixed batches with chunked prefill, prefix hits,
+preemption, min_tokens, stop tokens, max_tokens and max_model_len, with the acceptance counted and
+every KV block back in the pool."""
+import functools
+import random
+
+import pytest
+import torch
+
+from minillm import LLM
+from minillm.engine.config import load_config
+from minillm.engine.engine_config import EngineConfig, SpeculativeConfig
+from minillm.engine.loader import load_model
+from minillm.engine.paging import KVCacheManager
+from minillm.engine.sampling import SamplingParams
+from minillm.engine.speculative import NgramProposer, accept_greedy, accept_sampled
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CONFIG = load_config("tiny").replace(name="tiny-test", num_layers=2, hidden_size=64,
+                                     intermediate_size=128, num_heads=4, num_kv_heads=2,
+                                     head_dim=16, vocab_size=128)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def proposer(k=3, high=2, low=1):
+    return NgramProposer(SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": high, "prompt_lookup_min": low}))
+
+
+# -- the proposer and the acceptance rule ------------------------------------------------------------
+def test_the_proposer_continues_the_latest_earlier_match_of_the_longest_suffix():
+    assert proposer().propose([1, 2, 3, 9, 1, 2], 8) == [3, 9, 1]  # [1, 2] matched at 0
+    assert proposer().propose([1, 2, 3, 9, 1, 2], 2) == [3, 9]  # capped by the room left
+    assert proposer(k=4).propose([5, 1, 7, 1, 8, 1], 8) == [8, 1]  # [1] at 3, the latest; to the end
+    assert proposer(high=2, low=2).propose([5, 1, 7, 1, 8, 1], 8) == []  # [8, 1] never occurred before
+    assert proposer(high=3, low=1).propose([4, 6, 2, 4, 6, 3, 6], 8) == [3, 6]  # [4,6] absent; [6] at 4
+    assert proposer().propose([7], 8) == [] and proposer().propose([1, 1], 0) == []
+
+
+def test_acceptance_keeps_the_agreed_proposals_and_the_targets_next_token():
+    assert accept_greedy([4, 5, 6], [4, 5, 7, 8]) == [4, 5, 7]  # rejected at the third
+    assert accept_greedy([4, 5], [4, 5, 9]) == [4, 5, 9]  # all accepted, plus the bonus token
+    assert accept_greedy([1], [2, 3]) == [2]  # none accepted: the target's own token
+    with pytest.raises(ValueError, match="one target token per proposal plus one"):
+        accept_greedy([1, 2], [1, 2])
+
+
+def test_speculative_config_takes_vllms_keys_and_refuses_bad_ones():
+    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert config.speculative_config == SpeculativeConfig("ngram", 2, 5, 5)
+    one = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert (one.prompt_lookup_max, one.prompt_lookup_min) == (3, 3)
+    assert EngineConfig().speculative_config is None
+    for bad, message in [({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+                         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+                         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+                           "prompt_lookup_min": 3}, "exceeds prompt_lookup_max"),
+                         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
+                         ("ngram", "must be a dict")]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(speculative_config=bad)
+
+
+def test_truncate_gives_back_the_blocks_past_the_kept_tokens():
+    manager = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    assert manager.allocate("a", 6)
+    manager.commit("a", list(range(4)))  # one full block committed
+    assert manager.allocate("a", 11) and manager.num_free_blocks == 5
+    manager.truncate("a", 7)
+    assert (manager.num_tokens("a"), len(manager.block_table("a")), manager.num_free_blocks) == (7, 2, 6)
+    with pytest.raises(ValueError, match="outside"):
+        manager.truncate("a", 3)  # inside the committed block
+    manager.free("a")
+    assert manager.num_free_blocks == 8
+
+
+def test_a_truncated_table_row_is_written_again_where_it_grows_back():
+    """The block a truncate gives back may go to another request; the row that grows back over it
+    must then name its new block, not the old one."""
+    from minillm.engine.paged_cache import PagedKVCache
+
+    cache = PagedKVCache(CONFIG, num_blocks=6, block_size=4)
+    assert cache.allocate("a", 10)
+    cache.block_tables(["a"])
+    cache.truncate("a", 6)  # its third block goes back...
+    assert cache.allocate("b", 4)  # ...and "b" takes it
+    assert cache.allocate("a", 10)
+    a, b = cache.manager.block_table("a"), cache.manager.block_table("b")
+    assert a[2] != b[0]
+    assert cache.block_tables(["a", "b"])[:, :3].tolist() == [a, b + [0, 0]]
+
+
+def test_the_planner_sizes_the_sampler_for_every_verified_position():
+    """With k proposals a request samples k + 1 rows: the planned step has up to max_num_seqs x
+    (k + 1) of them, within the token budget, and its activation peak grows by the sampler's."""
+    from minillm.engine.planner import plan, sampler_peak_bytes
+
+    settings = dict(gpu_memory="24GiB", max_model_len=4096, max_num_seqs=64)
+    plain = plan("llama-3.1-8b", **settings)
+    spec = plan("llama-3.1-8b", **settings, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    vocab = load_config("llama-3.1-8b").vocab_size
+    grown = sampler_peak_bytes(64 * 5, vocab) - sampler_peak_bytes(64, vocab)
+    assert spec.activation_peak_bytes - plain.activation_peak_bytes == grown > 0
+    assert spec.num_blocks < plain.num_blocks
+
+
+# -- the engine on a tiny model -----------------------------------------------------------------------
+@functools.cache
+def tiny_model():
+    return load_model(CONFIG, device="cpu", dtype=torch.float64, weights="random")
+
+
+def repetitive(seed, period, length):
+    """A prompt that repeats a random stretch of ``period`` tokens: proposals find matches in it."""
+    rng = random.Random(seed)
+    stretch = [rng.randrange(CONFIG.vocab_size) for _ in range(period)]
+    return (stretch * (length // period + 1))[:length]
+
+
+def generate(speculative_config, prompts, params, **engine_args):
+    """(token ids per prompt, the run's stats, the finished requests by id, the engine)."""
+    engine_args = {"num_kv_blocks": 64, "block_size": 4, "max_num_batched_tokens": 16, **engine_args}
+    llm = LLM(tiny_model(), speculative_config=speculative_config, **engine_args)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    requests = {r.request_id: r for r in llm.recorder.finished}
+    return [o.token_ids for o in outputs], llm.stats(), requests, llm
+
+
+def greedy(max_tokens, **params):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+
+
+def assert_all_blocks_back(llm):
+    kv = llm.kv_cache.manager
+    assert kv.request_ids == [] and kv.num_free_blocks == kv.num_blocks
+
+
+def test_greedy_tokens_with_speculation_equal_those_without_in_a_mixed_batch():
+    """Chunked prefill (budget 16), two prompts sharing a prefix, a sampled request beside the
+    greedy ones, min_tokens with EOS live, a stop token met mid-answer, max_tokens."""
+    base = repetitive(1, 7, 30)
+    prompts = [base, repetitive(2, 5, 21), base + repetitive(3, 4, 9), repetitive(4, 6, 26), base[:13]]
+    plain = [greedy(40, ignore_eos=True), SamplingParams(temperature=0.8, max_tokens=24, seed=5, ignore_eos=True),
+             greedy(30, min_tokens=25), greedy(36, ignore_eos=True), greedy(19, ignore_eos=True)]
+    off, _, _, _ = generate(None, prompts, plain)
+    stop = off[3][17]  # a token of prompt 3's answer ends it where it first occurs
+    first = off[3].index(stop)
+    params = plain[:3] + [greedy(36, ignore_eos=True, stop_token_ids=(stop,)), plain[4]]
+    off, off_stats, _, _ = generate(None, prompts, params)
+    on, stats, requests, llm = generate(NGRAM, prompts, params)
+    assert on[:1] + on[2:] == off[:1] + off[2:]  # the greedy ones; the sampled one draws differently
+    assert len(on[1]) == len(off[1]) == 24
+    assert len(on[3]) == first + 1 and on[3][-1] == stop
+    assert [len(t) for t in on[:1] + on[4:]] == [40, 19] and len(on[2]) >= 25
+    assert stats["num_accepted_tokens"] > 0 and stats["num_steps"] < off_stats["num_steps"]
+    assert stats["generation_tokens"] == off_stats["generation_tokens"] == sum(map(len, on))
+    assert 0 < stats["num_drafts"] <= stats["num_draft_tokens"]
+    assert stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+    assert sum(s["num_accepted_tokens"] for s in stats["steps"]) == stats["num_accepted_tokens"]
+    assert sum(s["num_draft_tokens"] for s in stats["steps"]) == stats["num_draft_tokens"]
+    assert all(sum(n for _, n in s["scheduled"]) == s["num_prefill_tokens"] + s["num_decode_tokens"]
+               + s["num_draft_tokens"] for s in stats["steps"])
+    assert sum(r.num_accepted_tokens for r in requests.values()) == stats["num_accepted_tokens"]
+    assert all(len(r.metrics.token_times) == len(r.output_token_ids) for r in requests.values())
+    assert off_stats["num_draft_tokens"] == 0
+    assert_all_blocks_back(llm)
+
+
+@pytest.mark.parametrize("mode, prefix", [("recompute", {}), ("swap", {"prefix_index": "radix"}),
+                                          ("recompute", {"enable_prefix_caching": False})])
+def test_speculation_is_exact_under_preemption_and_max_model_len(mode, prefix):
+    """A pool too small for the batch (requests preempted, by recompute and by swap; either prefix
+    index, or none) and a max_model_len that ends a request by length mid-proposal."""
+    prompts = [repetitive(s, 5 + s, 18 + 3 * s) for s in range(4)]
+    params = [greedy(30, ignore_eos=True)] * 4
+    args = {"num_kv_blocks": 24, "preemption_mode": mode, "max_model_len": 44, **prefix}
+    off, _, _, _ = generate(None, prompts, params, **args)
+    on, stats, _, llm = generate(NGRAM, prompts, params, **args)
+    assert on == off
+    assert [len(p) + len(t) for p, t in zip(prompts, on)] == [44, 44, 44, 44]  # by length
+    assert stats["num_preemptions"] > 0 and stats["num_accepted_tokens"] > 0
+    assert_all_blocks_back(llm)
+
+
+def test_acceptance_is_positive_on_a_repetitive_prompt_and_steps_yield_several_tokens():
+    on, stats, requests, llm = generate(NGRAM, [repetitive(7, 6, 36)], [greedy(48, ignore_eos=True)],
+                                        max_num_batched_tokens=64)
+    assert stats["num_accepted_tokens"] > 0
+    assert max(s["num_generated"] for s in stats["steps"]) > 1
+    assert stats["num_steps"] < 48  # fewer steps than tokens: the prefill step plus the decodes
+    assert_all_blocks_back(llm)
+
+
+# -- the real model --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2-135m", device="cpu", dtype=torch.float64)
+
+
+def test_smollm2_greedy_tokens_with_speculation_equal_those_without(smollm2):
+    """Chats that ask for text the answer repeats (n-gram proposals hit), with one open question, in
+    one batch: their prompts cut in chunks of the 64-token budget, their shared system prompt a
+    prefix-cache hit."""
+    chats = ["Repeat this sentence three times: the cache keeps the keys and values of every token.",
+             "Copy this list exactly: red apple, green pear, red apple, green pear, yellow plum.",
+             "What is a GPU good at?"]
+    params = [greedy(40), greedy(36), greedy(24)]
+    results = []
+    for spec in (None, NGRAM):
+        llm = LLM(smollm2, num_kv_blocks=64, max_num_batched_tokens=64, speculative_config=spec)
+        prompts = [llm.chat_prompt_ids([{"role": "user", "content": c}]) for c in chats]
+        results.append(([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm.stats()))
+        assert_all_blocks_back(llm)
+    (off, off_stats), (on, stats) = results
+    assert on == off
+    assert stats["num_accepted_tokens"] > 0 and stats["num_steps"] < off_stats["num_steps"]
+    assert stats["prefix_hit_tokens"] > 0 and max(s["num_prefill_tokens"] for s in stats["steps"]) == 64
+
+
+def test_min_tokens_holds_at_every_proposed_position():
+    """Each request stops on a token of the plain answer, first met at index f, with min_tokens=f:
+    the stop token is masked at every proposed position before f, and only there, so each answer is
+    the plain one cut after index f, wherever f falls in a verified chunk."""
+    prompt = repetitive(1, 7, 30)
+    (answer,), _, _, _ = generate(None, [prompt], [greedy(40, ignore_eos=True)])
+    firsts = [f for f in range(2, 40) if answer[f] not in answer[:f]]
+    assert len(firsts) >= 8  # what the test relies on: stop tokens first met all along the answer
+    params = [greedy(40, ignore_eos=True, min_tokens=f, stop_token_ids=(answer[f],)) for f in firsts]
+    on, stats, _, llm = generate(NGRAM, [prompt] * len(params), params, max_num_batched_tokens=64)
+    assert on == [answer[:f + 1] for f in firsts]
+    assert stats["num_accepted_tokens"] > 0
+    assert_all_blocks_back(llm)
+
+
+def test_bench_speculative_prints_its_ratios_as_one_json_object(capsys):
+    import json
+
+    from minillm.__main__ import main
+
+    assert main(["bench", "speculative", "--max-tokens", "12", "--repeats", "1", "--device", "cpu",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["identical"] and result["model"] == "smollm2-135m" and result["batch"] == 1
+    assert result["cpu_threads"] == 1  # the labs' policy by default
+    assert result["speedup"] == result["off_s"] / result["on_s"]
+    assert result["tokens_per_step_off"] == 1.0 < result["tokens_per_step_on"]  # one request: a token a step off
+    assert result["generation_tokens"] == 12
+    assert 0 < result["num_accepted_tokens"] <= result["num_draft_tokens"]
+    assert result["acceptance_rate"] == result["num_accepted_tokens"] / result["num_draft_tokens"]
+    assert 1 < result["mean_accepted_length"] <= 1 + result["speculative_config"]["num_speculative_tokens"]
+
+
+# -- temperature > 0: the rejection sampling ---------------------------------------------------------
+def target_probs(params, token_ids):
+    """The target's distribution for the token after ``token_ids`` under ``params`` (one prefill)."""
+    from minillm.engine.contiguous_cache import ContiguousKVCache
+    from minillm.engine.sampling import probabilities
+
+    model = tiny_model()
+    cache = ContiguousKVCache(model.config, 1, len(token_ids), model.dtype, model.device)
+    positions, attn = cache.append([0], [len(token_ids)])
+    with torch.inference_mode():
+        hidden = model(torch.tensor(token_ids), positions, attn, cache.layer_caches)
+        return probabilities(model.compute_logits(hidden[-1:]), [params])[0]
+
+
+def chi_square_p_value(counts: dict, expected: dict) -> float:
+    """The p-value of Pearson's chi-square statistic of ``counts`` against ``expected`` (same keys)."""
+    chi2 = sum((counts[c] - e) ** 2 / e for c, e in expected.items())
+    return float(torch.special.gammaincc(torch.tensor((len(expected) - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(chi2 / 2, dtype=torch.float64)))
+
+
+def test_rejection_sampling_draws_each_position_from_the_target():
+    """20,000 verify steps of two proposals over a 4-token vocabulary: the first token follows p0,
+    the second, after the first proposal was accepted, follows p1, the third p2 (chi-square
+    p-values above 1e-3); a point-mass draft accepts its token with probability p(token)."""
+    probs = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.1, 0.2], [0.25, 0.25, 0.25, 0.25]],
+                         dtype=torch.float64)
+    generator, draws = torch.Generator().manual_seed(0), 20_000
+    outs = [accept_sampled([2, 1], probs, generator) for _ in range(draws)]
+    for position, prefix in enumerate([[], [2], [2, 1]]):
+        tails = [o[position] for o in outs if o[:position] == prefix and len(o) > position]
+        counts = {t: tails.count(t) for t in range(4)}
+        expected = {t: len(tails) * float(probs[position, t]) for t in range(4)}
+        assert chi_square_p_value(counts, expected) > 1e-3, (position, counts, expected)
+    accepted_first = sum(o[0] == 2 for o in outs) / draws
+    assert abs(accepted_first - 0.2) < 0.02 and all(1 <= len(o) <= 3 for o in outs)
+
+
+def prompt_lookup_hits_for(params):
+    """A random prompt that holds every token the target may sample after it (so prompt lookup
+    proposes a token at the first decode step whichever comes first), one of whose proposals the
+    target may sample too (so proposals are accepted as well as rejected); found by search."""
+    for seed in range(1000):
+        rng = random.Random(seed)
+        prompt = [rng.randrange(CONFIG.vocab_size) for _ in range(48)]
+        firsts = target_probs(params, prompt).nonzero().flatten().tolist()
+        if not all(t in prompt[:-1] for t in firsts):
+            continue
+        proposals = {t: prompt[max(i for i, p in enumerate(prompt[:-1]) if p == t) + 1] for t in firsts}
+        if any(target_probs(params, prompt + [t])[x] > 0 for t, x in proposals.items()):
+            return prompt
+    raise AssertionError("no such prompt among the seeds tried")
+
+
+def test_sampled_tokens_with_speculation_follow_the_targets_distribution():
+    """3000 requests with seeds 0.., temperature 1.5 and top_k 3, on a prompt whose n-grams
+    propose a token at the first decode step. The pair (first, second) token is counted and tested
+    against the target's exact joint distribution p(t1) p(t2 | t1) (9 cells) by a chi-square test:
+    its p-value must exceed 1e-3. The proposals must have been both accepted and rejected, so that
+    both branches of the rejection sampling were drawn from."""
+    samples, params = 3000, SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True)
+    prompt = prompt_lookup_hits_for(params)
+    seeded = [SamplingParams(**{**vars(params), "seed": seed}) for seed in range(samples)]
+    on, stats, _, llm = generate(NGRAM, [prompt] * samples, seeded, num_kv_blocks=2048,
+                                 max_num_batched_tokens=2048)
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    first = target_probs(params, prompt)
+    expected = {}
+    for t1 in first.nonzero().flatten().tolist():
+        second = target_probs(params, prompt + [t1])
+        for t2 in second.nonzero().flatten().tolist():
+            expected[t1, t2] = samples * float(first[t1] * second[t2])
+    counts = {cell: 0 for cell in expected}
+    for tokens in on:
+        counts[tokens[0], tokens[1]] += 1  # a pair outside the support raises KeyError
+    assert len(expected) == 9 and chi_square_p_value(counts, expected) > 1e-3, (counts, expected)
+    assert_all_blocks_back(llm)
