@@ -1,8 +1,9 @@
 """The model's shape, read from a Hugging Face ``config.json`` (all chapters). Pure Python.
 
-One ``ModelConfig`` covers the four families the book runs: Llama 2 / 3.x (llama3 RoPE scaling),
-Qwen2 / 2.5 (q/k/v biases, tied embeddings), Qwen3 (q/k RMSNorm, explicit ``head_dim``) and
-Mistral. Presets are folders ``data/models/<name>/`` holding a public ``config.json``, or a
+One ``ModelConfig`` covers the families the book runs: Llama 2 / 3.x (llama3 RoPE scaling),
+Qwen2 / 2.5 (q/k/v biases, tied embeddings), Qwen3 (q/k RMSNorm, explicit ``head_dim``), Mistral,
+and two Mixture-of-Experts families whose every layer's MLP is ``num_experts`` SwiGLU experts of
+which a router picks ``num_experts_per_tok`` per token: Mixtral and Qwen3-MoE. Presets are folders ``data/models/<name>/`` holding a public ``config.json``, or a
 ``gguf.json`` that names a GGUF file a pip package ships (``smollm2-135m``: the real SmolLM2-135M-
 Instruct, read by ``minillm.engine.gguf_file``).
 """
@@ -14,7 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "data" / "models"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
+# Routers other than a softmax over linear logits then top-k (DeepSeek's grouped or sigmoid
+# scoring, shared experts): fields of such configs that minillm refuses rather than ignores.
+UNSUPPORTED_ROUTER_FIELDS = ("scoring_func", "topk_method", "n_group", "topk_group", "n_shared_experts",
+                             "shared_expert_intermediate_size", "routed_scaling_factor", "router_type")
 
 
 @dataclass(frozen=True)
@@ -25,7 +31,7 @@ class ModelConfig:
     model_type: str
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # the MLP's width; in an MoE model, each expert's
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -42,6 +48,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
+    num_experts: int = 0  # experts per MoE layer; 0 = a dense model
+    num_experts_per_tok: int = 0  # k: experts the router picks for each token
+    norm_topk_prob: bool = False  # rescale the k picked probabilities to sum to 1
 
     def __post_init__(self):
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -51,6 +60,17 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.name}: num_attention_heads ({self.num_heads}) must be a "
                              f"multiple of num_key_value_heads ({self.num_kv_heads})")
+        if self.num_experts < 0 or (self.num_experts_per_tok > 0) != (self.num_experts > 0):
+            raise ValueError(f"{self.name}: an MoE model needs num_experts and num_experts_per_tok "
+                             f"both positive (a dense one both 0), got {self.num_experts} and "
+                             f"{self.num_experts_per_tok}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"{self.name}: num_experts_per_tok ({self.num_experts_per_tok}) is more "
+                             f"than num_experts ({self.num_experts})")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_size(self) -> int:
@@ -85,10 +105,11 @@ class ModelConfig:
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"{name}: rope_type {rope_type!r} is not supported (default, llama3)")
         window = hf.get("sliding_window")
-        uses_window = model_type == "mistral" or hf.get("use_sliding_window", False)
+        uses_window = model_type in ("mistral", "mixtral") or hf.get("use_sliding_window", False)
         if uses_window and window is not None and window < hf["max_position_embeddings"]:
             raise ValueError(f"{name}: sliding-window attention (window {window}) is not supported; "
                              f"minillm attends to the whole context")
+        moe = _moe_fields(hf, name) if model_type in MOE_MODEL_TYPES else {}
         attention_bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -97,7 +118,7 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
+            intermediate_size=hf["moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
@@ -110,11 +131,34 @@ class ModelConfig:
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_bias=False if model_type == "qwen2" else attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
+            **moe,
         )
+
+
+def _moe_fields(hf: dict, name: str) -> dict:
+    """The router's settings of a Mixtral or Qwen3-MoE config; ``ValueError`` for what minillm does
+    not run (another router, dense layers between the sparse ones). Mixtral's router is a softmax
+    over the k largest logits, which is Qwen3-MoE's softmax over all experts renormalized over the
+    k picked: ``norm_topk_prob`` True."""
+    unknown = sorted(field for field in UNSUPPORTED_ROUTER_FIELDS if hf.get(field) is not None)
+    if unknown:
+        raise ValueError(f"{name}: router field(s) {unknown} are not supported (minillm's router is a "
+                         f"softmax over linear logits, then top-k, without shared experts)")
+    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{name}: {hf['model_type']} needs num_experts (num_local_experts) >= 1, "
+                         f"got {num_experts!r}")
+    if hf["model_type"] == "qwen3_moe":
+        step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+        if step != 1 or dense:
+            raise ValueError(f"{name}: dense MLP layers between the MoE ones (decoder_sparse_step="
+                             f"{step}, mlp_only_layers={dense}) are not supported; every layer must be MoE")
+    return dict(num_experts=num_experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                norm_topk_prob=True if hf["model_type"] == "mixtral" else bool(hf.get("norm_topk_prob", False)))
 
 
 PACKAGED_GGUF = "gguf.json"  # a preset whose checkpoint is a GGUF file that a pip package ships

@@ -25,7 +25,7 @@ from torch import nn
 from minillm.engine.config import ModelConfig, load_config, preset_names, resolve_checkpoint
 from minillm.engine.device import pick_device
 from minillm.engine.gguf_file import GGUFFile, checked_tensors, gguf_tokenizer, read_weights
-from minillm.engine.model import RMSNorm, Transformer
+from minillm.engine.model import RMSNorm, Router, Transformer
 from minillm.engine.quantization import check_quantization, check_shapes, quantize_model
 
 WEIGHT_CHOICES = ("auto", "random")
@@ -270,7 +270,7 @@ def _init_random(net: Transformer, device: torch.device) -> None:
     for module in net.modules():
         if isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
+        elif isinstance(module, (nn.Linear, nn.Embedding, Router)):
             module.weight.normal_(0.0, RANDOM_STD, generator=generator)
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()

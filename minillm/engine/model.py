@@ -2,7 +2,9 @@
 
 One decoder-only model covers Llama 2 / 3.x, Qwen2 / 2.5, Qwen3 and Mistral: RMSNorm, rotary
 position embeddings (with llama3's long-context rescaling), grouped-query attention and a SwiGLU
-MLP. Module and parameter names follow Hugging Face, so a checkpoint loads by name.
+MLP; in Mixtral and Qwen3-MoE the MLP is a set of SwiGLU experts and a router that sends each
+token to k of them (``MoE``). Module and parameter names follow Hugging Face, so a checkpoint
+loads by name.
 
 The forward runs over a *flat* batch: the new tokens of every sequence in the step, concatenated
 into one ``[T]`` vector, plus ``AttentionMetadata`` that says where each sequence starts and where
@@ -136,19 +138,85 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class MixtralExpert(nn.Module):
+    """Mixtral's SwiGLU expert under its checkpoint's names: w2(silu(w1(x)) * w3(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.w1 = nn.Linear(hidden, inner, bias=False)
+        self.w3 = nn.Linear(hidden, inner, bias=False)
+        self.w2 = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Router(nn.Module):
+    """The router's logits ``x W^T`` [T, experts]. Not an ``nn.Linear``, so that quantization,
+    which replaces every linear, leaves the routing decisions in the model's dtype."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class MoE(nn.Module):
+    """Mixture of experts: each token goes to the k experts of largest router probability
+    (softmax over all experts, in float32 like transformers), weighted by those probabilities,
+    renormalized over the k when ``norm_topk_prob`` (always in Mixtral).
+
+    The experts run grouped: the flat batch's (token, expert) pairs are sorted by expert, and
+    each expert that got tokens runs once over all of them (``index_select``), its weighted output
+    added back to their rows (``index_add_``). ``expert_tokens`` keeps how many tokens each
+    expert got in the last forward (the distinct experts a step read are its nonzero entries).
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = Router(config)
+        expert = MixtralExpert if config.model_type == "mixtral" else MLP
+        self.experts = nn.ModuleList(expert(config) for _ in range(config.num_experts))
+        self.expert_tokens: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k] each
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        order = chosen.flatten().argsort(stable=True)  # the (token, expert) pairs, by expert
+        rows, weights = order // self.top_k, weights.flatten()[order]
+        self.expert_tokens = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, self.expert_tokens):
+            if count:
+                picked = rows[start:start + count]
+                y = expert(x.index_select(0, picked)) * weights[start:start + count, None]
+                out.index_add_(0, picked, y.to(x.dtype))
+                start += count
+        return out
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)); the MLP is an ``MoE`` in
+    Mixtral (named ``block_sparse_moe`` there) and Qwen3-MoE (``mlp``)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp_name = "block_sparse_moe" if config.model_type == "mixtral" else "mlp"
+        setattr(self, self.mlp_name, MoE(config) if config.is_moe else MLP(config))
 
     def forward(self, x, cos, sin, attn, k_cache, v_cache, backend):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, k_cache, v_cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
 
 
 class DecoderStack(nn.Module):

@@ -39,8 +39,12 @@ class ModelRunner:
         warmup(model.config, model.dtype, self.device, kv_cache.block_size, kv_cache.kv.dtype)
         warmup_quantized(model)
         sizes = config.cuda_graph_sizes
+        moe_on_cuda = model.config.is_moe and self.device.type == "cuda"  # its shapes follow the routing
+        if moe_on_cuda and sizes and not config.enforce_eager:
+            raise ValueError(f"{model.config.name}: an MoE model's step cannot be captured in a CUDA "
+                             f"graph (its experts' shapes follow the routing); drop cuda_graph_sizes")
         if sizes is None:
-            sizes = graph_sizes(config.max_num_seqs) if self.device.type == "cuda" else []
+            sizes = graph_sizes(config.max_num_seqs) if self.device.type == "cuda" and not moe_on_cuda else []
         self.decode_graphs = DecodeGraphs(model, kv_cache, [] if config.enforce_eager else list(sizes))
 
     def add_generator(self, request_id: str, seed: int | None) -> None:

@@ -28,19 +28,37 @@ def dtype_bytes(dtype) -> int:
 # --- Parameters and weights -------------------------------------------------------------------
 
 def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters by part, counted exactly (biases, norms, tied or untied embeddings)."""
+    """Parameters by part, counted exactly (biases, norms, tied or untied embeddings); ``mlp``
+    holds every expert of an MoE model, ``router`` (MoE models only) its routers' weights."""
     h, d = cfg.hidden_size, cfg.head_dim
     attention = 2 * h * cfg.q_size + 2 * h * cfg.kv_size  # q, o and k, v projections
     attention += (cfg.q_size + 2 * cfg.kv_size) * cfg.qkv_bias + h * cfg.o_bias
-    mlp = 3 * h * cfg.intermediate_size + (2 * cfg.intermediate_size + h) * cfg.mlp_bias
     norms = 2 * h + 2 * d * cfg.qk_norm
+    router = {"router": cfg.num_layers * cfg.num_experts * h} if cfg.is_moe else {}
     return {
         "embedding": cfg.vocab_size * h,
         "attention": cfg.num_layers * attention,
-        "mlp": cfg.num_layers * mlp,
+        "mlp": cfg.num_layers * experts_per_layer(cfg) * expert_params(cfg),
+        **router,
         "norms": cfg.num_layers * norms + h,
         "lm_head": 0 if cfg.tie_word_embeddings else cfg.vocab_size * h,
     }
+
+
+def experts_per_layer(cfg: ModelConfig) -> int:
+    """E: the SwiGLU MLPs of a layer (1 in a dense model)."""
+    return max(cfg.num_experts, 1)
+
+
+def experts_per_token(cfg: ModelConfig) -> int:
+    """k: the MLPs each token runs through in a layer (1 in a dense model)."""
+    return max(cfg.num_experts_per_tok, 1)
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    """Parameters of one SwiGLU MLP (one expert of an MoE layer): gate, up and down, and biases."""
+    inner, h = cfg.intermediate_size, cfg.hidden_size
+    return 3 * h * inner + (2 * inner + h) * cfg.mlp_bias
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -48,19 +66,29 @@ def param_count(cfg: ModelConfig) -> int:
     return sum(param_breakdown(cfg).values())
 
 
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token uses: all but the experts its router did not pick (k of E per
+    layer); the total in a dense model."""
+    idle = experts_per_layer(cfg) - experts_per_token(cfg)
+    return param_count(cfg) - cfg.num_layers * idle * expert_params(cfg)
+
+
 def matmul_param_count(cfg: ModelConfig) -> int:
-    """Weights that take part in a matrix multiply per token: every linear layer and the output
-    projection (tied or not); the input embedding is a table lookup, norms and biases are adds."""
+    """Weights that take part in a matrix multiply per token: every linear layer it runs (in an
+    MoE layer the router and the k experts picked) and the output projection (tied or not); the
+    input embedding is a table lookup, norms and biases are adds."""
     h = cfg.hidden_size
-    per_layer = 2 * h * cfg.q_size + 2 * h * cfg.kv_size + 3 * h * cfg.intermediate_size
+    mlp = experts_per_token(cfg) * 3 * h * cfg.intermediate_size + cfg.num_experts * h
+    per_layer = 2 * h * cfg.q_size + 2 * h * cfg.kv_size + mlp
     return cfg.num_layers * per_layer + cfg.vocab_size * h
 
 
 def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
-    """(out, in) of every linear layer the engine runs, the output layer included."""
+    """(out, in) of every linear layer the engine runs, every expert's and the output layer
+    included (an MoE router is not one: quantization leaves it in the model's dtype)."""
     h, inner = cfg.hidden_size, cfg.intermediate_size
-    layer = [(cfg.q_size, h), (cfg.kv_size, h), (cfg.kv_size, h), (h, cfg.q_size),
-             (inner, h), (inner, h), (h, inner)]
+    layer = [(cfg.q_size, h), (cfg.kv_size, h), (cfg.kv_size, h), (h, cfg.q_size)]
+    layer += [(inner, h), (inner, h), (h, inner)] * experts_per_layer(cfg)
     return layer * cfg.num_layers + [(cfg.vocab_size, h)]
 
 
@@ -76,19 +104,49 @@ def quantized_linear_bytes(out_features: int, in_features: int, quantization: st
 
 
 def weight_bytes(cfg: ModelConfig, dtype="bf16", quantization: str | None = None, group_size: int = 32) -> int:
-    """Bytes of all weights stored in ``dtype``; with ``quantization`` ("int8", "int4"), every
-    linear of the layers in that format, the output layer in int8 (it then no longer shares the
-    embedding's memory) and the rest (embedding table, norms, biases) in ``dtype``."""
+    """Bytes of all weights stored in ``dtype`` (every expert: they all live on the card); with
+    ``quantization`` ("int8", "int4"), every linear of the layers in that format, the output
+    layer in int8 (it then no longer shares the embedding's memory) and the rest (embedding
+    table, norms, routers, biases) in ``dtype``."""
     if quantization is None:
         return param_count(cfg) * dtype_bytes(dtype)
     parts = param_breakdown(cfg)
-    rest = parts["embedding"] + parts["norms"] + param_count(cfg) - sum(parts.values())
+    rest = parts["embedding"] + parts["norms"] + parts.get("router", 0)
     biases = (cfg.q_size + 2 * cfg.kv_size) * cfg.qkv_bias + cfg.hidden_size * cfg.o_bias
-    biases += (2 * cfg.intermediate_size + cfg.hidden_size) * cfg.mlp_bias
+    biases += (2 * cfg.intermediate_size + cfg.hidden_size) * cfg.mlp_bias * experts_per_layer(cfg)
     *layers, (vocab, hidden) = linear_shapes(cfg)
     linears = sum(quantized_linear_bytes(n, k, quantization, group_size) for n, k in layers)
     linears += quantized_linear_bytes(vocab, hidden, "int8")
     return (rest + cfg.num_layers * biases) * dtype_bytes(dtype) + linears
+
+
+def expert_bytes(cfg: ModelConfig, dtype="bf16", quantization: str | None = None, group_size: int = 32) -> int:
+    """Bytes of one expert (one SwiGLU MLP) as stored: see :func:`weight_bytes`."""
+    h, inner = cfg.hidden_size, cfg.intermediate_size
+    biases = (2 * inner + h) * cfg.mlp_bias * dtype_bytes(dtype)
+    if quantization is None:
+        return expert_params(cfg) * dtype_bytes(dtype)
+    shapes = [(inner, h), (inner, h), (h, inner)]
+    return biases + sum(quantized_linear_bytes(n, k, quantization, group_size) for n, k in shapes)
+
+
+def experts_touched(cfg: ModelConfig, batch: int) -> float:
+    """Expected distinct experts a layer runs for ``batch`` tokens if the router picked each
+    token's k of E uniformly: E·(1 − (1 − k/E)^B). k at one token, towards E as B grows; 1 in a
+    dense model."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    e, k = experts_per_layer(cfg), experts_per_token(cfg)
+    return e * (1 - (1 - k / e) ** batch)
+
+
+def weight_bytes_read(cfg: ModelConfig, batch: int, dtype="bf16", quantization: str | None = None,
+                      group_size: int = 32) -> float:
+    """Weight bytes a decode step of ``batch`` tokens reads: all of them but the experts no token
+    was routed to (:func:`experts_touched`, uniform routing); all of them in a dense model."""
+    idle = experts_per_layer(cfg) - experts_touched(cfg, batch)
+    return (weight_bytes(cfg, dtype, quantization, group_size)
+            - cfg.num_layers * idle * expert_bytes(cfg, dtype, quantization, group_size))
 
 
 # --- FLOPs ------------------------------------------------------------------------------------
@@ -255,11 +313,13 @@ def prefill_crossover(cfg: ModelConfig, peak_flops: float, bandwidth: float, dty
 
 @dataclass(frozen=True)
 class DecodeEstimate:
-    """One decode step: ``batch`` requests each add one token at context ``ctx``."""
+    """One decode step: ``batch`` requests each add one token at context ``ctx``. ``weight_bytes``:
+    the weights it reads (in an MoE model only the experts its tokens are routed to, expected
+    ``experts_touched`` per layer)."""
 
     batch: int
     ctx: int
-    weight_bytes: int
+    weight_bytes: float
     kv_read_bytes: int
     linear_flops: int
     attention_flops: int
@@ -296,17 +356,24 @@ class DecodeEstimate:
         """Upper bound on aggregate decode tok/s: batch / time floor."""
         return self.batch / self.time_floor
 
+    def mbu(self, measured_seconds: float) -> float:
+        """Model bandwidth utilization of a step measured at ``measured_seconds``: the bytes the
+        step reads (not all the weights, in an MoE model) per second, over ``bandwidth``."""
+        return self.bytes / measured_seconds / self.bandwidth
+
 
 def decode_step(cfg: ModelConfig, batch: int, ctx: int, bandwidth: float, dtype="bf16",
                 quantization: str | None = None, group_size: int = 32, kv_dtype=None) -> DecodeEstimate:
     """The ledger of one decode step for ``batch`` requests at context ``ctx``, bandwidth W B/s;
-    weights in ``quantization`` (see :func:`weight_bytes`), KV in ``kv_dtype`` (default ``dtype``)."""
+    weights in ``quantization`` (see :func:`weight_bytes`), of an MoE model only the experts the
+    batch touches (:func:`weight_bytes_read`), KV in ``kv_dtype`` (default ``dtype``)."""
     if batch < 1 or ctx < 1 or bandwidth <= 0:
         raise ValueError(f"need batch >= 1, ctx >= 1, bandwidth > 0; got {batch}, {ctx}, {bandwidth}")
-    return DecodeEstimate(batch, ctx, weight_bytes(cfg, dtype, quantization, group_size),
+    return DecodeEstimate(batch, ctx, weight_bytes_read(cfg, batch, dtype, quantization, group_size),
                           batch * kv_bytes(cfg, ctx, kv_dtype or dtype),
                           batch * matmul_flops_per_token(cfg),
-                          batch * attention_flops_per_token(cfg, ctx), bandwidth)
+                          batch * attention_flops_per_token(cfg, ctx), bandwidth,
+                          experts_touched(cfg, batch))
 
 
 # --- Memory budget ----------------------------------------------------------------------------

@@ -294,12 +294,6 @@ def glue_chapter(r: dict) -> None:
 
 SCENE_GPU, CTX = "H100 SXM", 1024
 
-# Mixtral-8x7B's shape, from its public config.json (8 experts, 2 per token); the expert MLPs are
-# counted by hand, ModelConfig having one MLP per layer.
-MIXTRAL = dict(name="mixtral-8x7b-shape", model_type="mistral", vocab_size=32000, hidden_size=4096,
-               intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-               max_position_embeddings=32768)
-EXPERTS, TOP_K = 8, 2
 # Llama-3.1-70B's shape, from its public config.json
 LLAMA_70B = dict(name="llama-3.1-70b-shape", model_type="llama", vocab_size=128256, hidden_size=8192,
                  intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
@@ -308,38 +302,39 @@ LLAMA_70B = dict(name="llama-3.1-70b-shape", model_type="llama", vocab_size=1282
 
 @dataclass(frozen=True)
 class MoE:
-    """A mixture-of-experts shape: ``cfg`` with one expert's MLP, ``experts`` of them per layer,
-    ``top_k`` chosen per token by a router."""
+    """A mixture-of-experts model's ledger (``minillm.lab.estimate``) in the page's terms: the
+    parameters every token uses, one expert across all layers, and the experts a batch touches."""
 
     cfg: ModelConfig
-    experts: int
-    top_k: int
+
+    @property
+    def experts(self) -> int:
+        return self.cfg.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.cfg.num_experts_per_tok
 
     @property
     def expert(self) -> int:
-        return L.param_breakdown(self.cfg)["mlp"]  # all layers' share of one expert
-
-    @property
-    def router(self) -> int:
-        return self.cfg.num_layers * self.cfg.hidden_size * self.experts
+        return self.cfg.num_layers * L.expert_params(self.cfg)  # all layers' share of one expert
 
     @property
     def shared(self) -> int:
         """Parameters every token uses: all but the experts' MLPs."""
-        return L.param_count(self.cfg) - self.expert + self.router
+        return self.active - self.top_k * self.expert
 
     @property
     def total(self) -> int:
-        return self.shared + self.experts * self.expert
+        return L.param_count(self.cfg)
 
     @property
     def active(self) -> int:
-        return self.shared + self.top_k * self.expert
+        return L.active_param_count(self.cfg)
 
     def touched(self, batch: int) -> float:
-        """Experts a decode step of ``batch`` tokens reads per layer, routing uniform and
-        independent: each expert is missed by all of them with probability (1 - k/E)^batch."""
-        return self.experts * (1 - (1 - self.top_k / self.experts) ** batch)
+        """Experts a decode step of ``batch`` tokens reads per layer, routing uniform."""
+        return L.experts_touched(self.cfg, batch)
 
     def step(self, batch: int, ctx: int, peak_flops: float, bandwidth: float) -> Floor:
         """The floor of a decode step: each token computes with the active parameters; the step
@@ -351,7 +346,7 @@ class MoE:
 
 
 def mixtral() -> MoE:
-    return MoE(ModelConfig(**MIXTRAL), EXPERTS, TOP_K)
+    return MoE(load_config("mixtral-8x7b"))
 
 
 def accepted_tokens(a: float, k: int) -> float:
