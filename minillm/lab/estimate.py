@@ -324,9 +324,10 @@ class DecodeEstimate:
     linear_flops: int
     attention_flops: int
     bandwidth: float
+    experts_touched: float = 1.0  # per layer; 1 in a dense model
 
     @property
-    def bytes(self) -> int:
+    def bytes(self) -> float:
         return self.weight_bytes + self.kv_read_bytes
 
     @property
