@@ -224,3 +224,19 @@ def test_decode_bytes_and_floor_grow_with_the_experts_touched():
     int4 = L.decode_step(cfg, 1, 1024, bandwidth, quantization="int4")
     assert int4.weight_bytes == pytest.approx(L.weight_bytes(cfg, "bf16", "int4")
                                               - 32 * 6 * L.expert_bytes(cfg, "bf16", "int4"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_estimate_bounds_the_profiled_moe_step(dtype):
+    """Every token to every expert (k = E) is the formula's worst case, met exactly; with k < E
+    each expert gets fewer rows and the formula stays above what the step allocates."""
+    from minillm.engine.planner import activation_estimate, profile_activation_peak
+
+    shape = dict(vocab_size=160, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    for experts, k in ((4, 4), (8, 2)):
+        hf = MixtralConfig(**shape, num_local_experts=experts, num_experts_per_tok=k).to_dict()
+        cfg = ModelConfig.from_dict(hf, name=f"moe-{experts}-{k}")
+        model = load_model(cfg, device="cpu", dtype=dtype, weights="random")
+        measured, estimate = profile_activation_peak(model, 512, 4, 16), activation_estimate(cfg, 512, 4, dtype)
+        assert measured == estimate if k == experts else measured < estimate

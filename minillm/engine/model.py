@@ -195,9 +195,8 @@ class MoE(nn.Module):
         start = 0
         for expert, count in zip(self.experts, self.expert_tokens):
             if count:
-                picked = rows[start:start + count]
-                y = expert(x.index_select(0, picked)) * weights[start:start + count, None]
-                out.index_add_(0, picked, y.to(x.dtype))
+                picked, weight = rows[start:start + count], weights[start:start + count, None]
+                out.index_add_(0, picked, (expert(x.index_select(0, picked)) * weight).to(x.dtype))
                 start += count
         return out
 

@@ -51,6 +51,10 @@ DRY_RUN_OUTSIDE_TORCH_BYTES = round(0.35 * GiB)
 # the mass before each token, the keep mask and the kept probabilities.
 SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 4 + 8 + 4 + 4 + 1 + 4
 
+# An MoE layer's bytes per (token, expert) pair of its routing: the pair's int64 expert, the int64
+# sort order and token row, the sorted float32 weight.
+ROUTED_PAIR_BYTES = 8 + 8 + 8 + 4
+
 
 # --- The activation peak: estimated (dry run) or measured -------------------------------------
 
@@ -69,7 +73,11 @@ def activation_estimate(cfg: ModelConfig, num_tokens: int, num_sampled_rows: int
     while it rotates q or, in a qk-norm model (Qwen3), RMSNorm's copies of q while it normalizes q
     (a float32 copy and result of a 16-bit q, then the result in the model's dtype and the
     weighted output). The MLP adds the residual after attention, the normed input and ``[T, I]``
-    three times (silu(gate), up, their product). Sampling: the final hidden states and the
+    three times (silu(gate), up, their product); an MoE layer, at most (one expert gets every
+    token), holds instead of the three ``[T, I]`` its output accumulated over the experts and an
+    expert's gathered rows ``[T, h]``, the router's float32 probabilities ``[T, E]``,
+    ``ROUTED_PAIR_BYTES`` per (token, expert) pair, and the larger of the expert's three ``[T, I]``
+    and its output beside that output weighted in float32. Sampling: the final hidden states and the
     sampler's peak over ``[R, V]`` logits (``sampler_peak_bytes``). Attention is assumed fused (no
     ``[T, T]`` scores), as the GPU kernels are.
     """
@@ -80,6 +88,10 @@ def activation_estimate(cfg: ModelConfig, num_tokens: int, num_sampled_rows: int
     q_norm = (2 * h + 2 * d + 2 * kv) * b + q * (3 * b + upcast) if cfg.qk_norm else 0
     attention = t * max(rope, q_norm)
     mlp = t * (3 * h + 2 * d + 3 * cfg.intermediate_size) * b
+    if cfg.is_moe:
+        weighted = h * (b + 4)  # an expert's output and its product with the float32 weights
+        mlp = t * ((3 * h + 2 * d + 2 * h) * b + max(3 * cfg.intermediate_size * b, weighted)
+                   + 4 * cfg.num_experts + ROUTED_PAIR_BYTES * cfg.num_experts_per_tok)
     sampling = t * h * b + sampler_peak_bytes(num_sampled_rows, cfg.vocab_size)
     return max(attention, mlp, sampling)
 
