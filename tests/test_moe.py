@@ -240,3 +240,13 @@ def test_activation_estimate_bounds_the_profiled_moe_step(dtype):
         model = load_model(cfg, device="cpu", dtype=dtype, weights="random")
         measured, estimate = profile_activation_peak(model, 512, 4, 16), activation_estimate(cfg, 512, 4, dtype)
         assert measured == estimate if k == experts else measured < estimate
+
+
+def test_matmul_weights_a_step_reads():
+    """What diagnose's MBU counts per step: one token's k experts at batch 1, all E at a large
+    batch; a dense model's matmul weights whatever the batch."""
+    cfg, dense = load_config("mixtral-8x7b"), load_config("llama-3.1-8b")
+    assert L.matmul_weight_bytes(cfg, 1) == 2 * L.matmul_param_count(cfg)
+    all_experts = 2 * (L.matmul_param_count(cfg) + 32 * 6 * 3 * 4096 * 14336)
+    assert L.matmul_weight_bytes(cfg, 256) == pytest.approx(all_experts)
+    assert L.matmul_weight_bytes(dense, 64) == 2 * L.matmul_param_count(dense)

@@ -320,13 +320,13 @@ def _rate(work: list[tuple[float, float]]) -> float | None:
 def _step_ledgers(record: dict, cfg: ModelConfig) -> list[tuple[float, float]]:
     """(FLOPs, bytes) of every step by the ledger: the layers for each scheduled token, causal
     attention to its context, the output layer for each sampled token; the matmul weights read
-    once (the input embedding is a lookup of a few rows, not a read of the table) and the KV of
-    every scheduled request's context read or written. Contexts are replayed from the step log: a
+    once (of an MoE model, the experts the step's tokens are expected to touch; the input
+    embedding is a lookup of a few rows, not a read of the table) and the KV of every scheduled
+    request's context read or written. Contexts are replayed from the step log: a
     request's context grows by its scheduled tokens and restarts at 0 when it is preempted by
     recompute."""
     engine, memory = record["engine"], record["memory"]
     kv_per_token = memory["kv_bytes_per_block"] / engine["block_size"]
-    weights = ledger.matmul_param_count(cfg) * ledger.dtype_bytes(record["dtype"])
     layer_flops = ledger.matmul_flops_per_token(cfg) - ledger.output_layer_flops(cfg)
     attention_per_position = ledger.attention_flops_per_token(cfg, 1)
     computed: dict[str, int] = {}
@@ -343,6 +343,8 @@ def _step_ledgers(record: dict, cfg: ModelConfig) -> list[tuple[float, float]]:
             kv_tokens += before + num_new
             # new token j attends to before + j + 1 positions
             flops += num_new * layer_flops + attention_per_position * (num_new * before + num_new * (num_new + 1) // 2)
+        tokens = sum(num_new for _, num_new in step["scheduled"])
+        weights = ledger.matmul_weight_bytes(cfg, max(tokens, 1), record["dtype"])
         out.append((flops, weights + kv_tokens * kv_per_token))
     return out
 

@@ -83,6 +83,15 @@ def matmul_param_count(cfg: ModelConfig) -> int:
     return cfg.num_layers * per_layer + cfg.vocab_size * h
 
 
+def matmul_weight_bytes(cfg: ModelConfig, tokens: int = 1, dtype="bf16") -> float:
+    """Bytes of the matmul weights a forward of ``tokens`` tokens reads (:func:`matmul_param_count`
+    in ``dtype``): in an MoE model the experts they are expected to touch, not only one token's k
+    (:func:`experts_touched`)."""
+    further = experts_touched(cfg, tokens) - experts_per_token(cfg)
+    matmul_expert = 3 * cfg.hidden_size * cfg.intermediate_size
+    return (matmul_param_count(cfg) + cfg.num_layers * further * matmul_expert) * dtype_bytes(dtype)
+
+
 def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     """(out, in) of every linear layer the engine runs, every expert's and the output layer
     included (an MoE router is not one: quantization leaves it in the model's dtype)."""
