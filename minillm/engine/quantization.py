@@ -14,8 +14,10 @@ A decode step reads every weight once, so bytes per weight set its floor. Two fo
 
 The linears of every layer are quantized, and the output layer too, always to int8: its rows
 score the whole vocabulary, and int4 groups there cost a small model far more quality than
-anywhere else (``python -m minillm bench quality`` measures it). The embedding table (a lookup),
-the norms and attention stay in the model's dtype. Each quantized layer computes with the kernel
+anywhere else (``python -m minillm bench quality`` measures it). An MoE model's experts are
+linears like the others and are quantized with them; its routers (``model.Router``, not linears)
+keep the routing decisions in the model's dtype. The embedding table (a lookup), the norms and
+attention stay in the model's dtype. Each quantized layer computes with the kernel
 its device has: on the CPU torch's weight-only kernels (``_weight_int4pack_mm_for_cpu``,
 ``_weight_int8pack_mm``), which stream their bytes only with bf16 activations (with float32 ones
 they fall back to loops slower than a float32 matmul); on a GPU the Triton kernel of

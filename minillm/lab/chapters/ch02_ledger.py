@@ -190,7 +190,8 @@ def decode_rows() -> list[list]:
 def show_model_ledger(cfg, dtype) -> None:
     """The ledger of one model: its parameters by part, weights, FLOPs and KV per token."""
     parts = L.param_breakdown(cfg)
-    names = {"embedding": "输入嵌入", "attention": "注意力投影", "mlp": "MLP", "norms": "RMSNorm", "lm_head": "输出层（不共享时）"}
+    names = {"embedding": "输入嵌入", "attention": "注意力投影", "mlp": "MLP", "router": "MoE 路由器",
+             "norms": "RMSNorm", "lm_head": "输出层（不共享时）"}
     show_table(["项", "值"], [
         ["参数量（公式）", fmt_int(L.param_count(cfg))],
         *[[f"　其中{' ' if names[k][0].isascii() else ''}{names[k]}", fmt_int(n)] for k, n in parts.items()],
