@@ -26,7 +26,7 @@ CONFIG = load_config("tiny").replace(name="tiny-diagnose", num_layers=2, hidden_
 SCENARIOS = {
     "long_prompts": ([1500] * 4, [2] * 4, dict(num_kv_blocks=512, max_num_batched_tokens=2048)),
     "many_decodes": ([8] * 32, [64] * 32, dict(num_kv_blocks=512)),
-    "small_pool": ([48] * 12, [48] * 12, dict(num_kv_blocks=16, max_model_len=256)),
+    "small_pool": ([48] * 24, [48] * 24, dict(num_kv_blocks=16, max_model_len=256)),
 }
 EXPECTED = {"long_prompts": ("compute", "first_token"), "many_decodes": ("bandwidth", "tokens"),
             "small_pool": ("capacity", "first_token")}
