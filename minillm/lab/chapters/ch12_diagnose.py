@@ -398,7 +398,7 @@ def page_numbers() -> dict[str, str]:
     P, W = gpu.bf16_flops, gpu.bandwidth
     out = {"kv_blocked_share": f"{KV_BLOCKED_SHARE:.0%}", "compute_time_share": f"{COMPUTE_TIME_SHARE:.0%}",
            "first_token_share": f"{FIRST_TOKEN_SHARE:.0%}", "ctx": fmt_int(CTX), "h100": gpu.name,
-           "h100_gib": f"{gpu.memory_gib:g} GiB", "util": "0.92", "ridge": f"{gpu.ridge_point:,.0f}"}
+           "h100_gib": f"{gpu.memory_gib:g} GiB", "util": "0.92"}
 
     moe = mixtral()
     out.update(moe_experts=str(moe.experts), moe_topk=str(moe.top_k), moe_total_b=f"{moe.total / 1e9:.1f}B",
