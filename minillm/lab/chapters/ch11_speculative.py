@@ -216,16 +216,20 @@ def glue_chapter(r: dict) -> None:
                               "每一次运行里，开和关生成的 token 都一模一样。",
                               "有一次运行里开和关生成的 token 不一样：这是引擎的错误，应当报告。"))
     g("lab_task_sentence", choose(
-        grounded["speedup"] > max(1.1, opened["speedup"]),
-        "照抄给定段落时提示查找几乎次次命中，墙钟时间明显缩短；开放式提问的回答没有可抄的原文，加速也就所剩无几。",
+        grounded["speedup"] > max(1.1, opened["speedup"]) and grounded["acceptance_rate"] > opened["acceptance_rate"],
+        "照抄给定段落时提示查找的猜测大多被收下，墙钟时间明显缩短；开放式提问的回答没有可抄的原文，收益也就所剩无几。",
         "这台机器上照抄给定段落的加速并不比开放式提问明显：要在一台空闲的机器上重测。"))
     if not opened["num_draft_tokens"]:
-        open_sentence = ("批 1 的开放式提问里，提示查找一次也没找到可猜的续写：查不到就不猜，每一步都是普通解码，"
-                         "时间也就和不开差不多。")
+        open_sentence = ("批 1 的开放式提问里，提示查找一次也没找到可猜的续写：查不到就不猜，每一步都是普通解码。")
+    elif not opened["num_accepted_tokens"]:
+        open_sentence = choose(
+            opened["speedup"] >= 0.95,
+            "批 1 的开放式提问里，提示查找猜了几次，一个也没被收下；查不到就不猜，猜错的代价只是多算几个位置，整体并不比不开慢。",
+            "批 1 的开放式提问里，提示查找猜了几次，一个也没被收下，白算的位置让它比不开还慢。")
     else:
         open_sentence = choose(
             opened["speedup"] >= 0.95,
-            "开放式提问时猜不中几个，但查不到就不猜，猜错的代价也只是多算几个位置，整体几乎不比不开慢。",
+            "开放式提问时收下的猜测不多，但查不到就不猜，猜错的代价只是多算几个位置，整体并不比不开慢。",
             "开放式提问时反而变慢了：猜错的位置白算了，查找本身也要时间，在 CPU 上多算几个位置并不便宜。")
     g("lab_open_sentence", open_sentence)
     g("lab_batch_sentence", choose(
