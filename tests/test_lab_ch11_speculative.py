@@ -78,3 +78,11 @@ def test_best_gamma_and_break_even():
     a = ch11.break_even_alpha(4, 2.0)
     assert ch11.accepted_length(a, 4) >= 2.0 > ch11.accepted_length(a - 0.001, 4)
     assert ch11.break_even_alpha(2, 5.0) is None  # τ <= 3 < 5
+
+
+def test_open_sentence_follows_what_was_proposed_and_accepted():
+    run = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "speedup": 0.8}
+    assert "一次也没找到" in ch11.open_sentence(run)
+    assert "并不比不开慢" in ch11.open_sentence(dict(run, num_draft_tokens=6, speedup=1.0))
+    assert "比不开还慢" in ch11.open_sentence(dict(run, num_draft_tokens=6))
+    assert "反而变慢" in ch11.open_sentence(dict(run, num_draft_tokens=6, num_accepted_tokens=2))

@@ -194,6 +194,22 @@ def tau_sentence(measured: float, formula: float) -> str:
                   "而公式按每次都猜满 γ 个计算。")
 
 
+def open_sentence(run: dict) -> str:
+    """What speculation did to open-ended prompts at batch 1, as a whole sentence."""
+    from minillm.lab.claims import choose
+
+    if not run["num_draft_tokens"]:
+        return "批 1 的开放式提问里，提示查找一次也没找到可猜的续写：查不到就不猜，每一步都是普通解码。"
+    if not run["num_accepted_tokens"]:
+        return choose(
+            run["speedup"] >= 0.95,
+            "批 1 的开放式提问里，提示查找猜了几次，一个也没被收下；查不到就不猜，猜错的代价只是多算几个位置，整体并不比不开慢。",
+            "批 1 的开放式提问里，提示查找猜了几次，一个也没被收下，白算的位置让它比不开还慢。")
+    return choose(run["speedup"] >= 0.95,
+                  "开放式提问时收下的猜测不多，但查不到就不猜，猜错的代价只是多算几个位置，整体并不比不开慢。",
+                  "开放式提问时反而变慢了：猜错的位置白算了，查找本身也要时间，在 CPU 上多算几个位置并不便宜。")
+
+
 def glue_chapter(r: dict) -> None:
     """Glue what the chapter quotes from this lab."""
     from minillm.lab.claims import choose, claim
@@ -219,19 +235,7 @@ def glue_chapter(r: dict) -> None:
         grounded["speedup"] > max(1.1, opened["speedup"]) and grounded["acceptance_rate"] > opened["acceptance_rate"],
         "照抄给定段落时提示查找的猜测大多被收下，墙钟时间明显缩短；开放式提问的回答没有可抄的原文，收益也就所剩无几。",
         "这台机器上照抄给定段落的加速并不比开放式提问明显：要在一台空闲的机器上重测。"))
-    if not opened["num_draft_tokens"]:
-        open_sentence = ("批 1 的开放式提问里，提示查找一次也没找到可猜的续写：查不到就不猜，每一步都是普通解码。")
-    elif not opened["num_accepted_tokens"]:
-        open_sentence = choose(
-            opened["speedup"] >= 0.95,
-            "批 1 的开放式提问里，提示查找猜了几次，一个也没被收下；查不到就不猜，猜错的代价只是多算几个位置，整体并不比不开慢。",
-            "批 1 的开放式提问里，提示查找猜了几次，一个也没被收下，白算的位置让它比不开还慢。")
-    else:
-        open_sentence = choose(
-            opened["speedup"] >= 0.95,
-            "开放式提问时收下的猜测不多，但查不到就不猜，猜错的代价只是多算几个位置，整体并不比不开慢。",
-            "开放式提问时反而变慢了：猜错的位置白算了，查找本身也要时间，在 CPU 上多算几个位置并不便宜。")
-    g("lab_open_sentence", open_sentence)
+    g("lab_open_sentence", open_sentence(opened))
     g("lab_batch_sentence", choose(
         runs[("grounded", big)]["speedup"] < grounded["speedup"],
         f"批 {big} 时同样的文本加速变小：一步本来就为 {big} 个请求各算一个位置，再为每个请求多验证几个，"
