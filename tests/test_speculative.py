@@ -244,6 +244,7 @@ def test_bench_speculative_prints_its_ratios_as_one_json_object(capsys):
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["identical"] and result["model"] == "smollm2-135m" and result["batch"] == 1
+    assert result["task"] == "grounded"
     assert result["cpu_threads"] == 1  # the labs' policy by default
     assert result["speedup"] == result["off_s"] / result["on_s"]
     assert result["tokens_per_step_off"] == 1.0 < result["tokens_per_step_on"]  # one request: a token a step off
@@ -251,6 +252,16 @@ def test_bench_speculative_prints_its_ratios_as_one_json_object(capsys):
     assert 0 < result["num_accepted_tokens"] <= result["num_draft_tokens"]
     assert result["acceptance_rate"] == result["num_accepted_tokens"] / result["num_draft_tokens"]
     assert 1 < result["mean_accepted_length"] <= 1 + result["speculative_config"]["num_speculative_tokens"]
+
+
+def test_bench_speculative_prompts_by_task():
+    from minillm.lab.bench_speculative import OPEN_QUESTIONS, bench_speculative, grounded_prompts, open_prompts
+
+    assert open_prompts(len(OPEN_QUESTIONS) + 1) == [*OPEN_QUESTIONS, OPEN_QUESTIONS[0]]
+    first, second = grounded_prompts(2)
+    assert first.startswith("Repeat the following text word for word:") and first != second
+    with pytest.raises(ValueError, match="task"):
+        bench_speculative(task="summary")  # before any model is loaded
 
 
 # -- temperature > 0: the rejection sampling ---------------------------------------------------------

@@ -30,6 +30,18 @@ PARAGRAPH_WORDS = 60
 NUM_KV_BLOCKS = 512  # of 16 tokens: room for the batches this bench runs
 
 
+OPEN_QUESTIONS = ("Why is the sky blue?", "Write a short poem about autumn.",
+                  "What should I pack for a weekend of hiking?", "Explain what a compiler does.",
+                  "Give me three ideas for a birthday party.", "How do bees make honey?",
+                  "What makes a good teacher?", "Describe a busy train station.")
+TASKS = ("grounded", "open")
+
+
+def open_prompts(count: int) -> list[str]:
+    """``count`` open-ended questions (cycled): the answer has no text to quote."""
+    return [OPEN_QUESTIONS[i % len(OPEN_QUESTIONS)] for i in range(count)]
+
+
 def grounded_prompts(count: int) -> list[str]:
     """``count`` requests to repeat a different paragraph of the quality text word for word."""
     words = quality_text().split()
@@ -46,23 +58,27 @@ def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[fl
 def bench_speculative(model_name: str = "smollm2-135m", device=None, dtype=None, batch: int = 1,
                       max_tokens: int = 64, repeats: int = 3, num_speculative_tokens: int = 4,
                       prompt_lookup_max: int = 4, prompt_lookup_min: int = 2,
-                      threads: int | None = CPU_THREADS) -> dict:
+                      threads: int | None = CPU_THREADS, task: str = "grounded") -> dict:
     """Median wall time off and on over ``repeats`` turns, their ratio, tokens per decode step,
     the acceptance rate (accepted / proposed) and the mean tokens per verified request-step.
-    ``threads``: torch's CPU threads meanwhile (None: as they are)."""
+    ``threads``: torch's CPU threads meanwhile (None: as they are); ``task``: "grounded" (repeat a
+    given paragraph) or "open" (open-ended questions)."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     with torch_threads(threads):
-        return _bench(model_name, device, dtype, batch, max_tokens, repeats, {
+        return _bench(model_name, device, dtype, batch, max_tokens, repeats, task, {
             "method": "ngram", "num_speculative_tokens": num_speculative_tokens,
             "prompt_lookup_max": prompt_lookup_max, "prompt_lookup_min": prompt_lookup_min})
 
 
-def _bench(model_name, device, dtype, batch: int, max_tokens: int, repeats: int, spec: dict) -> dict:
+def _bench(model_name, device, dtype, batch: int, max_tokens: int, repeats: int, task: str, spec: dict) -> dict:
     model = load_model(model_name, device=device, dtype=dtype)
     engines = {"off": LLM(model, num_kv_blocks=NUM_KV_BLOCKS),
                "on": LLM(model, num_kv_blocks=NUM_KV_BLOCKS, speculative_config=spec)}
-    prompts = [engines["off"].chat_prompt_ids([{"role": "user", "content": p}]) for p in grounded_prompts(batch)]
+    prompts = [engines["off"].chat_prompt_ids([{"role": "user", "content": p}])
+               for p in (grounded_prompts if task == "grounded" else open_prompts)(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for llm in engines.values():
         _run(llm, prompts, params)  # warm-up
@@ -79,7 +95,7 @@ def _bench(model_name, device, dtype, batch: int, max_tokens: int, repeats: int,
         return s["generation_tokens"] / len(steps)
 
     return {"model": model.config.name, "device": str(model.device), "cpu_threads": torch.get_num_threads(),
-            "dtype": str(model.dtype).removeprefix("torch."), "batch": batch, "max_tokens": max_tokens,
+            "dtype": str(model.dtype).removeprefix("torch."), "batch": batch, "task": task, "max_tokens": max_tokens,
             "repeats": repeats, "speculative_config": spec, "off_s": off_s, "on_s": on_s,
             "speedup": off_s / on_s, "identical": answers["on"] == answers["off"],
             "generation_tokens": on["generation_tokens"],
@@ -92,7 +108,8 @@ def _bench(model_name, device, dtype, batch: int, max_tokens: int, repeats: int,
 def format_speculative(r: dict) -> str:
     spec = r["speculative_config"]
     return "\n".join([
-        f"model {r['model']} ({r['dtype']}) on {r['device']} ({r['cpu_threads']} CPU threads), batch {r['batch']}, {r['max_tokens']} tokens "
+        f"model {r['model']} ({r['dtype']}) on {r['device']} ({r['cpu_threads']} CPU threads), {r['task']} prompts, "
+        f"batch {r['batch']}, {r['max_tokens']} tokens "
         f"each, n-gram speculation k={spec['num_speculative_tokens']}, n in "
         f"[{spec['prompt_lookup_min']}, {spec['prompt_lookup_max']}], median of {r['repeats']} turns",
         f"wall time: off {r['off_s']:.3f} s, on {r['on_s']:.3f} s, speedup {r['speedup']:.2f}x; "
@@ -117,6 +134,8 @@ def add_cli(bench_commands) -> None:
     cmd.add_argument("--prompt-lookup-min", type=int, default=2)
     cmd.add_argument("--threads", type=int, default=CPU_THREADS,
                      help=f"torch's CPU threads during the runs (default {CPU_THREADS})")
+    cmd.add_argument("--task", choices=TASKS, default="grounded",
+                     help="grounded: repeat a given paragraph; open: open-ended questions")
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
     cmd.set_defaults(func=run_cli)
 
@@ -124,5 +143,5 @@ def add_cli(bench_commands) -> None:
 def run_cli(args) -> int:
     return report(args, "speculative", {}, lambda device: bench_speculative(
         args.model, device, args.dtype, args.batch, args.max_tokens, args.repeats,
-        args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min, args.threads),
+        args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min, args.threads, args.task),
         json.dumps if args.json else format_speculative)

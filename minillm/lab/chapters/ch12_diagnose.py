@@ -3,10 +3,10 @@ chapter 先问瓶颈，再换框架).
 
 Two halves, out of the reader's way. The lab's: three serving scenarios built to hit one wall each,
 run, recorded (``records.save_run``) and read back by ``minillm.lab.diagnose``; their tables and
-figure in Chinese; :func:`glue_chapter`. The page's: the ledger of three techniques that break the
-book's defaults (mixture of experts, speculative decoding, tensor parallelism), every time a floor
-``max(F/P, M/W)`` on a datasheet's two ceilings (:func:`moe_steps`, :func:`speculation`,
-:func:`tensor_parallel`, and :func:`page_numbers`, which the page glues).
+figure in Chinese; :func:`glue_chapter`. The page's: the ledger of two techniques that break the
+book's defaults (mixture of experts, tensor parallelism; quantization and speculative decoding have
+their own chapters), every time a floor ``max(F/P, M/W)`` on a datasheet's two ceilings
+(:func:`mixtral`, :func:`tensor_parallel`, and :func:`page_numbers`, which the page glues).
 """
 from __future__ import annotations
 
@@ -349,60 +349,6 @@ def mixtral() -> MoE:
     return MoE(load_config("mixtral-8x7b"))
 
 
-def accepted_tokens(a: float, k: int) -> float:
-    """Tokens per target step when each of ``k`` drafted tokens is accepted with probability
-    ``a`` (independently) and the target adds one of its own: (1 - a^(k+1)) / (1 - a)."""
-    return (1 - a ** (k + 1)) / (1 - a)
-
-
-@dataclass(frozen=True)
-class Speculation:
-    """One request decoding at context ``ctx``: the target's and the draft's step floors, and the
-    floor of the target verifying ``k`` drafted tokens at once (k + 1 positions; its weights read
-    once per step, each request's KV once)."""
-
-    target: Floor
-    draft: Floor
-    target_weight_bytes: int
-    target_kv_bytes: int  # one request's KV at ctx
-
-    @property
-    def draft_cost(self) -> float:
-        """c at the two floors: the draft's step over the target's."""
-        return self.draft.seconds / self.target.seconds
-
-    def verify(self, k: int, batch: int = 1) -> Floor:
-        """The target's step that checks ``k`` drafted tokens for each of ``batch`` requests."""
-        return roofline_floor(batch * (k + 1) * self.target.flops, self.target_weight_bytes + batch * self.target_kv_bytes,
-                              self.target.peak_flops, self.target.bandwidth)
-
-    def speedup(self, a: float, k: int, draft_seconds: float | None = None) -> float:
-        """Tokens per second against plain decoding: E tokens per k draft steps and one verify
-        step (a draft step of ``draft_seconds``, default its floor)."""
-        draft = self.draft.seconds if draft_seconds is None else draft_seconds
-        return accepted_tokens(a, k) * self.target.seconds / (k * draft + self.verify(k).seconds)
-
-    def best_k(self, a: float, draft_seconds: float | None = None, drafts=range(1, 17)) -> int:
-        return max(drafts, key=lambda k: self.speedup(a, k, draft_seconds))
-
-    def compute_bound_batch(self, k: int) -> int:
-        """The smallest batch at which verifying ``k`` drafted tokens per request is compute-bound."""
-        batch = 1
-        while self.verify(k, batch).bound != "compute":
-            batch += 1
-        return batch
-
-
-def speculation(target: str = "qwen2.5-7b", draft: str = "qwen2.5-0.5b", gpu: str = SCENE_GPU,
-                ctx: int = CTX) -> Speculation:
-    """The draft and the target at batch 1 on ``gpu``'s datasheet ceilings, bf16."""
-    spec = lookup_gpu(gpu)
-    t_cfg, d_cfg = load_config(target), load_config(draft)
-    t = L.decode_step(t_cfg, 1, ctx, spec.bandwidth).floor(spec.bf16_flops)
-    d = L.decode_step(d_cfg, 1, ctx, spec.bandwidth).floor(spec.bf16_flops)
-    return Speculation(t, d, L.weight_bytes(t_cfg), L.kv_bytes(t_cfg, ctx))
-
-
 def allreduce_bytes_per_token(cfg: ModelConfig, tp: int, dtype="bf16") -> float:
     """Bytes each GPU sends per token per step: two all-reduces per layer (after attention and
     after the MLP), a ring all-reduce moving 2 (tp - 1) / tp of the H-wide activation."""
@@ -435,9 +381,6 @@ def tensor_parallel(cfg: ModelConfig, tp: int, gpu: str = SCENE_GPU, batch: int 
                           batch * allreduce_bytes_per_token(cfg, tp), 2 * cfg.num_layers if tp > 1 else 0)
 
 
-ACCEPT = (0.6, 0.7, 0.8, 0.9)  # acceptance rates the page plots
-SPEC_K = 4  # the draft length the page quotes
-SPEC_C_HIGH = 0.2  # a draft step a fifth of the target's: the page's case of a latency-bound draft
 TP_SIZES = (1, 2, 4, 8)
 
 
@@ -450,7 +393,7 @@ def page_numbers() -> dict[str, str]:
     P, W = gpu.bf16_flops, gpu.bandwidth
     out = {"kv_blocked_share": f"{KV_BLOCKED_SHARE:.0%}", "compute_time_share": f"{COMPUTE_TIME_SHARE:.0%}",
            "first_token_share": f"{FIRST_TOKEN_SHARE:.0%}", "ctx": fmt_int(CTX), "h100": gpu.name,
-           "h100_gib": f"{gpu.memory_gib:g} GiB", "util": "0.92", "ridge": f"{gpu.ridge_point:,.0f}"}
+           "h100_gib": f"{gpu.memory_gib:g} GiB", "util": "0.92"}
 
     moe = mixtral()
     out.update(moe_experts=str(moe.experts), moe_topk=str(moe.top_k), moe_total_b=f"{moe.total / 1e9:.1f}B",
@@ -468,25 +411,6 @@ def page_numbers() -> dict[str, str]:
     many = moe.step(64, CTX, P, W)
     as_active = 2 * (moe.active - embedding) + 64 * L.kv_bytes(moe.cfg, CTX)
     out["moe_mbu_low"] = f"{as_active / many.bytes:.0%}"
-
-    sp = speculation()
-    d_cfg = load_config("qwen2.5-0.5b")
-    out.update(spec_target=load_config("qwen2.5-7b").name, spec_draft=d_cfg.name,
-               spec_target_floor=floor_words(sp.target), spec_draft_floor=floor_words(sp.draft),
-               spec_cost=f"{sp.draft_cost:.1%}", spec_k=str(SPEC_K), spec_a_lo="0.6", spec_a_hi="0.8",
-               spec_draft_layers=str(d_cfg.num_layers),
-               spec_draft_layer_us=f"{sp.draft.seconds / d_cfg.num_layers * 1e6:.0f} µs",
-               spec_verify=floor_words(sp.verify(SPEC_K)), spec_limit_8=f"{1 / (1 - 0.8):.0f}",
-               spec_c_high=f"{SPEC_C_HIGH:.0%}", spec_batch_compute=str(sp.compute_bound_batch(SPEC_K)))
-    for a in (0.6, 0.8):
-        key = f"{int(a * 10)}"
-        k = sp.best_k(a)
-        out[f"spec_e4_{key}"] = f"{accepted_tokens(a, SPEC_K):.2f}"
-        out[f"spec_best_k_{key}"] = str(k)
-        out[f"spec_best_{key}"] = f"{sp.speedup(a, k):.2f}"
-    slow = SPEC_C_HIGH * sp.target.seconds
-    k = sp.best_k(0.8, slow)
-    out.update(spec_high_best_k_8=str(k), spec_high_best_8=f"{sp.speedup(0.8, k, slow):.2f}")
 
     cfg, big = load_config("llama-3.1-8b"), ModelConfig(**LLAMA_70B)
     budget = 24 * GiB * 0.92

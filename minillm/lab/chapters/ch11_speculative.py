@@ -1,0 +1,245 @@
+"""The speculative decoding lab's plumbing (``notebooks/ch11-speculative.ipynb``, chapter 一步不止一个 token).
+
+The ledger (the floor of a verify step of γ + 1 tokens per request beside a decode step's, the batch
+at which verifying turns compute-bound, the expected accepted length τ and the speedup with the
+draft's cost), the lab's measurements (``bench speculative`` on the real SmolLM2: input-grounded
+and open-ended prompts, batch 1 and a larger batch), its tables and figures, and
+:func:`glue_chapter`. Published numbers are quoted as such, with their source.
+"""
+from __future__ import annotations
+
+from minillm.lab import estimate as L
+from minillm.lab.estimate import Floor, roofline_floor
+
+CTX = 1024  # tokens of context per request in the ledger's steps
+GAMMAS = (2, 4, 8)  # proposed tokens per verify step the page plots
+ALPHAS = tuple(a / 100 for a in range(0, 100, 2))
+NGRAM = dict(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)  # the lab's settings
+LAB_BATCHES, LAB_MAX_TOKENS, LAB_REPEATS = (1, 8), 48, 2
+
+# Published anchors (quoted, not measured here)
+LEVIATHAN_URL = "https://arxiv.org/abs/2211.17192"
+SPEC_BENCH_URL = "https://github.com/hemingkx/Spec-Bench"
+VLLM_BLOG_URL = "https://blog.vllm.ai/2024/10/17/spec-decode.html"
+SPEC_BENCH = (("EAGLE-2", "2.25×", "4.36"), ("草稿模型", "1.83×", "2.29"),
+              ("提示查找（n-gram）", "1.55×（摘要 2.31×）", "1.74"))  # Vicuna-7B, one RTX 3090, greedy, batch 1
+
+
+def accepted_length(alpha: float, gamma: int) -> float:
+    """τ = (1 − α^(γ+1)) / (1 − α): the expected tokens a verify step yields when each of ``gamma``
+    proposals is accepted with probability ``alpha``, independently, until the first rejection."""
+    if not 0 <= alpha <= 1 or gamma < 0:
+        raise ValueError(f"need 0 <= alpha <= 1 and gamma >= 0, got {alpha}, {gamma}")
+    return gamma + 1.0 if alpha == 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def verify_floor(cfg, gpu, batch: int, gamma: int, ctx: int = CTX, dtype="bf16") -> Floor:
+    """max(F/P, M/W) of one target step that checks ``gamma`` proposals for each of ``batch``
+    requests: γ + 1 positions each (γ = 0 is a plain decode step). The weights and each request's
+    KV are read once; the FLOPs grow with B·(γ + 1)."""
+    if batch < 1 or gamma < 0:
+        raise ValueError(f"need batch >= 1 and gamma >= 0, got {batch}, {gamma}")
+    positions = batch * (gamma + 1)
+    flops = positions * (L.matmul_flops_per_token(cfg) + L.attention_flops_per_token(cfg, ctx))
+    nbytes = L.weight_bytes(cfg, dtype) + batch * L.kv_bytes(cfg, ctx, dtype)
+    return roofline_floor(flops, nbytes, gpu.bf16_flops, gpu.bandwidth)
+
+
+def verify_ratio(cfg, gpu, batch: int, gamma: int, ctx: int = CTX) -> float:
+    """A verify step's floor over a decode step's at the same batch."""
+    return verify_floor(cfg, gpu, batch, gamma, ctx).seconds / verify_floor(cfg, gpu, batch, 0, ctx).seconds
+
+
+def compute_bound_batch(cfg, gpu, gamma: int, ctx: int = CTX, limit: int = 4096) -> int | None:
+    """The smallest batch whose verify step of γ + 1 positions each is compute-bound; None up to ``limit``."""
+    for batch in range(1, limit + 1):
+        if verify_floor(cfg, gpu, batch, gamma, ctx).bound == "compute":
+            return batch
+    return None
+
+
+def speedup(alpha: float, gamma: int, draft_cost: float = 0.0, verify_cost: float = 1.0) -> float:
+    """Tokens per unit of time over plain decoding's: τ / (γ·c + v), a draft step costing ``draft_cost``
+    decode steps of the target and the verify step ``verify_cost`` of them."""
+    return accepted_length(alpha, gamma) / (gamma * draft_cost + verify_cost)
+
+
+def best_gamma(alpha: float, draft_cost: float, verify_cost: float = 1.0, limit: int = 16) -> int:
+    """The γ in 1..``limit`` with the largest :func:`speedup`."""
+    return max(range(1, limit + 1), key=lambda k: speedup(alpha, k, draft_cost, verify_cost))
+
+
+def break_even_alpha(gamma: int, verify_cost: float, draft_cost: float = 0.0) -> float | None:
+    """The smallest α (to 0.001) at which speculation stops being slower than plain decoding; None if none."""
+    for i in range(1001):
+        if speedup(i / 1000, gamma, draft_cost, verify_cost) >= 1:
+            return i / 1000
+    return None
+
+
+def implied_overhead(speedup_x: float, tokens_per_step: float) -> float:
+    """What a published (speedup, tokens per step) pair implies a step costs beyond a decode step:
+    tokens per step / speedup − 1 (drafting plus verifying, in decode steps)."""
+    return tokens_per_step / speedup_x - 1
+
+
+def verify_rows(cfg, gpus, gamma: int, batches, ctx: int = CTX) -> list[list[str]]:
+    """Per card and batch: the decode floor, the verify floor, their ratio and what binds."""
+    from minillm.lab.report import BOUND_WORDS
+
+    rows = []
+    for gpu in gpus:
+        for b in batches:
+            d, v = verify_floor(cfg, gpu, b, 0, ctx), verify_floor(cfg, gpu, b, gamma, ctx)
+            rows.append([gpu.name, str(b), f"{d.seconds * 1e3:.2f} ms", f"{v.seconds * 1e3:.2f} ms",
+                         f"{v.seconds / d.seconds:.2f}×", BOUND_WORDS[v.bound]])
+    return rows
+
+
+def plot_verify_ratio(ax, cfg, gpus, batches=tuple(2 ** i for i in range(10)), ctx: int = CTX) -> None:
+    """A verify step's floor over a decode step's against the batch, one line per γ and card."""
+    for gpu, style in zip(gpus, ("-", "--")):
+        for gamma in GAMMAS:
+            ax.plot(batches, [verify_ratio(cfg, gpu, b, gamma, ctx) for b in batches], style, marker=".",
+                    label=f"{gpu.name}，γ = {gamma}")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="批大小 B（请求数）", ylabel="验证一步 ÷ 解码一步（下界之比）")
+    ax.legend(fontsize=8)
+
+
+def plot_model(ax_tau, ax_speed, draft_cost: float) -> None:
+    """τ against α for each γ (left); speedup at small batch, prompt lookup (solid) and a draft
+    costing ``draft_cost`` decode steps (dashed), against α (right)."""
+    for gamma in GAMMAS:
+        line, = ax_tau.plot(ALPHAS, [accepted_length(a, gamma) for a in ALPHAS], label=f"γ = {gamma}")
+        ax_speed.plot(ALPHAS, [speedup(a, gamma) for a in ALPHAS], color=line.get_color(), label=f"提示查找，γ = {gamma}")
+        ax_speed.plot(ALPHAS, [speedup(a, gamma, draft_cost) for a in ALPHAS], color=line.get_color(),
+                      linestyle="--", label=f"草稿模型，γ = {gamma}")
+    ax_speed.axhline(1, color="grey", linewidth=0.8)
+    ax_tau.set(xlabel="接受率 α", ylabel="每步期望产出 τ（token）")
+    ax_speed.set(xlabel="接受率 α", ylabel="加速比")
+    ax_tau.legend()
+    ax_speed.legend(fontsize=8)
+
+
+# --- The lab's measurements ----------------------------------------------------------------------
+
+def measure(lab, tasks=("grounded", "open"), batches=LAB_BATCHES) -> dict:
+    """``bench speculative`` for each (task, batch): off and on in turns in one run, one torch
+    thread on the CPU. Maps (task, batch) to the bench's result."""
+    from minillm.lab.bench_speculative import bench_speculative
+    from minillm.lab.notebook import TEXT_MODEL
+
+    return {(t, b): bench_speculative(TEXT_MODEL, lab.device, lab.dtype, batch=b, max_tokens=LAB_MAX_TOKENS, repeats=LAB_REPEATS,
+                                      task=t, **NGRAM)
+            for t in tasks for b in batches}
+
+
+TASK_WORDS = {"grounded": "照抄给定段落", "open": "开放式提问"}
+
+
+NO_DRAFTS = "—"  # what the table shows for a run in which nothing was proposed
+
+
+def run_words(r: dict) -> dict[str, str]:
+    """A run's numbers as the table and the page write them: acceptance, tokens per step over
+    speculation off's, tokens per verify measured and τ by the formula from the measured acceptance
+    (a dash for the last three when nothing was proposed), speedup."""
+    proposed = r["num_draft_tokens"] > 0
+    formula = accepted_length(r["acceptance_rate"], NGRAM["num_speculative_tokens"])
+    return {"accept": f"{r['acceptance_rate']:.0%}" if proposed else NO_DRAFTS,
+            "tps": f"{r['tokens_per_step_on'] / r['tokens_per_step_off']:.2f}×",
+            "tau": f"{r['mean_accepted_length']:.2f}" if proposed else NO_DRAFTS,
+            "formula": f"{formula:.2f}" if proposed else NO_DRAFTS, "speedup": f"{r['speedup']:.2f}×"}
+
+
+def measured_rows(runs: dict) -> list[list[str]]:
+    """One row per run: acceptance, tokens per step, τ measured and by the formula, times, speedup."""
+    rows = []
+    for (task, batch), r in runs.items():
+        w = run_words(r)
+        rows.append([TASK_WORDS[task], str(batch), w["accept"], w["tps"], w["tau"], w["formula"],
+                     f"{r['off_s']:.2f} s", f"{r['on_s']:.2f} s", w["speedup"], "是" if r["identical"] else "否"])
+    return rows
+
+
+MEASURED_HEADER = ["任务", "批", "接受率", "每步 token（相对不开）", "每次验证产出（实测 τ）", "公式 τ", "关", "开", "加速",
+                   "输出相同"]
+
+
+def plot_measured(ax, runs: dict) -> None:
+    """Grouped bars: the measured speedup per task at each batch, a grey line at 1×."""
+    batches = sorted({b for _, b in runs})
+    tasks = list(dict.fromkeys(t for t, _ in runs))
+    width = 0.8 / len(batches)
+    for i, b in enumerate(batches):
+        xs = [j + (i - (len(batches) - 1) / 2) * width for j in range(len(tasks))]
+        ax.bar(xs, [runs[(t, b)]["speedup"] for t in tasks], width, label=f"批 {b}")
+    ax.axhline(1, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(tasks)), [TASK_WORDS[t] for t in tasks])
+    ax.set(ylabel="加速比（关 ÷ 开 的墙钟时间）")
+    ax.legend()
+
+
+def tau_sentence(measured: float, formula: float) -> str:
+    """Where the measured tokens per verify stand against τ from the measured acceptance rate."""
+    from minillm.lab.claims import choose
+
+    if abs(measured - formula) <= 0.1 * formula:
+        return "实测的每次验证产出和公式算出的 τ 相差不到一成：这段文本上，每个猜测被接受的机会大致一样。"
+    return choose(measured > formula,
+                  "实测的每次验证产出比公式算出的 τ 多：提示查找的命中是成串的，一旦开始照抄就一路猜对，"
+                  "不像公式假设的那样每个位置独立地以 α 被接受。",
+                  "实测的每次验证产出比公式算出的 τ 少：猜测常常不足 γ 个（查到的续写太短，或快到 max_tokens），"
+                  "而公式按每次都猜满 γ 个计算。")
+
+
+def open_sentence(run: dict) -> str:
+    """What speculation did to open-ended prompts at batch 1, as a whole sentence."""
+    from minillm.lab.claims import choose
+
+    if not run["num_draft_tokens"]:
+        return "批 1 的开放式提问里，提示查找一次也没找到可猜的续写：查不到就不猜，每一步都是普通解码。"
+    if not run["num_accepted_tokens"]:
+        return choose(
+            run["speedup"] >= 0.95,
+            "批 1 的开放式提问里，提示查找猜了几次，一个也没被收下；查不到就不猜，猜错的代价只是多算几个位置，整体并不比不开慢。",
+            "批 1 的开放式提问里，提示查找猜了几次，一个也没被收下，白算的位置让它比不开还慢。")
+    return choose(run["speedup"] >= 0.95,
+                  "开放式提问时收下的猜测不多，但查不到就不猜，猜错的代价只是多算几个位置，整体并不比不开慢。",
+                  "开放式提问时反而变慢了：猜错的位置白算了，查找本身也要时间，在 CPU 上多算几个位置并不便宜。")
+
+
+def glue_chapter(r: dict) -> None:
+    """Glue what the chapter quotes from this lab."""
+    from minillm.lab.claims import choose, claim
+    from minillm.lab.notebook import g
+
+    lab, runs = r["lab"], r["runs"]
+    small, big = LAB_BATCHES
+    g("lab_device", lab.device_name)
+    g("lab_threads", lab.threads)
+    g("lab_model", next(iter(runs.values()))["model"])
+    g("lab_big_batch", str(big))
+    g("lab_max_tokens", str(LAB_MAX_TOKENS))
+    g("lab_gamma", str(NGRAM["num_speculative_tokens"]))
+    for (task, batch), x in runs.items():
+        for name, words in run_words(x).items():
+            g(f"lab_{task}_b{batch}_{name}", words)
+    claim(all(x["identical"] for x in runs.values()), "greedy outputs with and without speculation are identical")
+    grounded, opened = runs[("grounded", small)], runs[("open", small)]
+    g("lab_identical", choose(all(x["identical"] for x in runs.values()),
+                              "每一次运行里，开和关生成的 token 都一模一样。",
+                              "有一次运行里开和关生成的 token 不一样：这是引擎的错误，应当报告。"))
+    g("lab_task_sentence", choose(
+        grounded["speedup"] > max(1.1, opened["speedup"]) and grounded["acceptance_rate"] > opened["acceptance_rate"],
+        "照抄给定段落时提示查找的猜测大多被收下，墙钟时间明显缩短；开放式提问的回答没有可抄的原文，收益也就所剩无几。",
+        "这台机器上照抄给定段落的加速并不比开放式提问明显：要在一台空闲的机器上重测。"))
+    g("lab_open_sentence", open_sentence(opened))
+    g("lab_batch_sentence", choose(
+        runs[("grounded", big)]["speedup"] < grounded["speedup"],
+        f"批 {big} 时同样的文本加速变小：一步本来就为 {big} 个请求各算一个位置，再为每个请求多验证几个，"
+        "这一步不再像批 1 时那样几乎不多花时间。",
+        f"批 {big} 时加速并没有变小：这台机器上批 {big} 的一步仍然远没有算满。"))
+    g("lab_tau_sentence", tau_sentence(grounded["mean_accepted_length"],
+                                       accepted_length(grounded["acceptance_rate"], NGRAM["num_speculative_tokens"])))

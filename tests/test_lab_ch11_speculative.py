@@ -1,0 +1,88 @@
+"""The speculative decoding lab's kit (minillm.lab.chapters.ch11_speculative): τ from α and γ, the
+floor of a verify step beside a decode step's, where verifying turns compute-bound, the speedup
+model, what published pairs imply, and the sentences chosen from measurements."""
+import matplotlib
+
+matplotlib.use("Agg")
+import pytest  # noqa: E402
+
+from minillm.engine.config import load_config  # noqa: E402
+from minillm.lab import estimate as L  # noqa: E402
+from minillm.lab.chapters import ch11_speculative as ch11  # noqa: E402
+from minillm.lab.gpus import lookup_gpu  # noqa: E402
+
+CFG = load_config("llama-3.1-8b")
+H100, RTX = lookup_gpu("H100 SXM"), lookup_gpu("RTX 3090")
+
+
+def test_accepted_length_sums_the_geometric_series():
+    assert ch11.accepted_length(0.0, 4) == 1.0
+    assert ch11.accepted_length(1.0, 4) == 5.0
+    assert ch11.accepted_length(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert ch11.accepted_length(0.8, 4) == pytest.approx(sum(0.8 ** i for i in range(5)))
+    with pytest.raises(ValueError):
+        ch11.accepted_length(1.2, 4)
+
+
+def test_a_plain_decode_step_is_verify_with_no_proposals():
+    d = L.decode_step(CFG, 4, ch11.CTX, H100.bandwidth).floor(H100.bf16_flops)
+    v = ch11.verify_floor(CFG, H100, 4, 0)
+    assert (v.flops, v.bytes) == (d.flops, d.bytes)
+    five = ch11.verify_floor(CFG, H100, 4, 4)
+    assert five.flops == 5 * d.flops and five.bytes == d.bytes  # FLOPs grow, the bytes read do not
+
+
+def test_at_batch_one_verifying_costs_a_decode_step():
+    assert ch11.verify_floor(CFG, H100, 1, 4).bound == "memory"
+    assert ch11.verify_ratio(CFG, H100, 1, 4) == 1.0
+
+
+def test_compute_bound_batch_is_where_the_verify_floor_turns():
+    for gpu in (H100, RTX):
+        b = ch11.compute_bound_batch(CFG, gpu, 4)
+        assert ch11.verify_floor(CFG, gpu, b, 4).bound == "compute"
+        assert ch11.verify_floor(CFG, gpu, b - 1, 4).bound == "memory"
+        assert ch11.compute_bound_batch(CFG, gpu, 8) < b  # more proposals: compute-bound sooner
+    assert 1 < ch11.verify_ratio(CFG, H100, 256, 4) < ch11.verify_ratio(CFG, H100, 1024, 4)  # past the ridge: they cost
+
+
+def test_speedup_is_tau_over_the_steps_cost():
+    assert ch11.speedup(0.8, 4) == ch11.accepted_length(0.8, 4)
+    assert ch11.speedup(0.8, 4, 0.1) == pytest.approx(ch11.accepted_length(0.8, 4) / 1.4)
+    assert ch11.speedup(0.0, 4, 0.2) < 1  # nothing accepted and drafting cost: slower
+    assert ch11.implied_overhead(1.83, 2.29) == pytest.approx(2.29 / 1.83 - 1)
+
+
+def test_tau_sentence_follows_the_numbers():
+    assert ch11.tau_sentence(3.0, 3.1).startswith("实测的每次验证产出和公式")
+    assert "成串" in ch11.tau_sentence(4.5, 3.0)
+    assert "不足 γ 个" in ch11.tau_sentence(2.0, 3.0)
+
+
+def test_measured_rows_compare_tau_to_the_formula():
+    run = {"acceptance_rate": 0.5, "tokens_per_step_on": 14.4, "tokens_per_step_off": 8.0, "num_draft_tokens": 40,
+           "mean_accepted_length": 2.0, "off_s": 2.0, "on_s": 1.0, "speedup": 2.0, "identical": True}
+    row, = ch11.measured_rows({("grounded", 8): run})
+    assert row[:6] == ["照抄给定段落", "8", "50%", "1.80×", "2.00", f"{ch11.accepted_length(0.5, 4):.2f}"]
+    assert row[8] == "2.00×" and len(row) == len(ch11.MEASURED_HEADER)
+    none = dict(run, num_draft_tokens=0, acceptance_rate=0.0, mean_accepted_length=1.0, tokens_per_step_on=8.0)
+    words = ch11.run_words(none)  # nothing proposed: no acceptance to show
+    assert words["accept"] == words["tau"] == words["formula"] == ch11.NO_DRAFTS and words["tps"] == "1.00×"
+
+
+def test_best_gamma_and_break_even():
+    assert ch11.best_gamma(0.9, 0.0) == 16  # free drafts: guess as far as allowed
+    k = ch11.best_gamma(0.7, 0.2)
+    assert ch11.speedup(0.7, k, 0.2) >= max(ch11.speedup(0.7, j, 0.2) for j in range(1, 17))
+    assert ch11.break_even_alpha(4, 1.0) == 0.0
+    a = ch11.break_even_alpha(4, 2.0)
+    assert ch11.accepted_length(a, 4) >= 2.0 > ch11.accepted_length(a - 0.001, 4)
+    assert ch11.break_even_alpha(2, 5.0) is None  # τ <= 3 < 5
+
+
+def test_open_sentence_follows_what_was_proposed_and_accepted():
+    run = {"num_draft_tokens": 0, "num_accepted_tokens": 0, "speedup": 0.8}
+    assert "一次也没找到" in ch11.open_sentence(run)
+    assert "并不比不开慢" in ch11.open_sentence(dict(run, num_draft_tokens=6, speedup=1.0))
+    assert "比不开还慢" in ch11.open_sentence(dict(run, num_draft_tokens=6))
+    assert "反而变慢" in ch11.open_sentence(dict(run, num_draft_tokens=6, num_accepted_tokens=2))
