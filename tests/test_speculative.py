@@ -4,6 +4,7 @@ tokens as with it off (float64 on the CPU), in mixed batches with chunked prefil
 preemption, min_tokens, stop tokens, max_tokens and max_model_len, with the acceptance counted and
 every KV block back in the pool."""
 import functools
+import json
 import random
 
 import pytest
@@ -192,6 +193,28 @@ def test_acceptance_is_positive_on_a_repetitive_prompt_and_steps_yield_several_t
     assert max(s["num_generated"] for s in stats["steps"]) > 1
     assert stats["num_steps"] < 48  # fewer steps than tokens: the prefill step plus the decodes
     assert_all_blocks_back(llm)
+
+
+def test_metrics_export_the_speculation_counters_under_vllms_names():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from minillm.server.metrics import ServerMetrics
+
+    _, stats, _, llm = generate(NGRAM, [repetitive(7, 6, 36)], [greedy(24, ignore_eos=True)])
+    values = {s.name: s.value for f in text_string_to_metric_families(
+        ServerMetrics("m", llm.snapshot()).render().decode()) for s in f.samples}
+    for name, key in (("drafts", "num_drafts"), ("draft_tokens", "num_draft_tokens"),
+                      ("accepted_tokens", "num_accepted_tokens")):
+        assert values[f"minillm:spec_decode_num_{name}_total"] == stats[key] > 0
+
+
+def test_serve_takes_a_speculative_config_as_json():
+    from minillm.__main__ import build_parser
+
+    args = build_parser().parse_args(["serve", "tiny", "--speculative-config", json.dumps(NGRAM)])
+    assert args.speculative_config == NGRAM
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "tiny", "--speculative-config", "{method: ngram}"])
 
 
 # -- the real model --------------------------------------------------------------------------------

@@ -6,13 +6,15 @@ commands of ``python -m minillm`` work where the server's packages (FastAPI, uvi
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from minillm.engine.engine_config import add_quantization_options
 
 ENGINE_OPTIONS = ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
                   "max_num_batched_tokens", "gpu_memory_utilization", "memory_limit",
-                  "enable_chunked_prefill", "quantization", "group_size", "kv_cache_dtype")
+                  "enable_chunked_prefill", "quantization", "group_size", "kv_cache_dtype",
+                  "speculative_config")
 MAX_QUEUE = 1024  # requests that may wait for their first step
 SHUTDOWN_TIMEOUT_S = 10.0  # on SIGTERM/SIGINT, what in-flight requests get to finish
 
@@ -40,6 +42,9 @@ def add_cli(subparsers) -> None:
                      help="split long prompts over steps (default on); with "
                           "--no-enable-chunked-prefill a prompt must fit --max-num-batched-tokens")
     add_quantization_options(cmd)
+    cmd.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
+                     help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", '
+                          '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\'')
     cmd.add_argument("--served-model-name", help="the name clients ask for (default: MODEL as given)")
     cmd.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     cmd.add_argument("--max-queue", type=int, default=MAX_QUEUE,
@@ -49,6 +54,17 @@ def add_cli(subparsers) -> None:
                           "are aborted (default %(default)g)")
     cmd.add_argument("--access-log", action="store_true", help="log every HTTP request")
     cmd.set_defaults(func=run_cli)
+
+
+def speculative_config(text: str) -> dict:
+    """``--speculative-config``: a JSON object (its keys are checked by ``EngineConfig``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object, e.g. '{\"method\": \"ngram\"}'")
+    return value
 
 
 def run_cli(args) -> int:

@@ -48,6 +48,10 @@ COUNTERS = {  # name (without _total): (snapshot key, help)
     "generation_tokens": ("generation_tokens", "Tokens generated."),
     "prefix_cache_queries": ("prefix_query_tokens", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_hit_tokens", "Prompt tokens the prefix cache served."),
+    # speculative decoding (zero without speculative_config), vLLM V1's names
+    "spec_decode_num_drafts": ("num_drafts", "Request steps that verified proposed tokens."),
+    "spec_decode_num_draft_tokens": ("num_draft_tokens", "Proposed tokens verified."),
+    "spec_decode_num_accepted_tokens": ("num_accepted_tokens", "Proposed tokens accepted."),
 }
 
 disable_created_metrics()  # no "<counter>_created" series: vLLM exports none either
