@@ -441,6 +441,7 @@ NOT_YET = {
 ENGLISH_UI = ("Show code cell", "Hide code cell", "Skip to main content", "Back to top",
               "Contents", "Print to PDF", "Fullscreen mode", "Download this page", "Search",
               "previous page", "next page", "By minillm-book")
+ENGLISH_HINTS = ("Click to show", "Click to hide")  # sphinx-togglebutton's, set by a script
 ENGLISH_RUN = re.compile(r"\b[A-Za-z][a-z]+(?:[ ,;:]+[A-Za-z][a-z]+){3,}\b")  # 4+ English words
 
 
@@ -567,5 +568,7 @@ def test_pages_speak_chinese(source: Path) -> None:
     p = presentation(source)
     text = " ".join(p.text)
     assert not [s for s in ENGLISH_UI if s in text], f"{_id(source)}: English UI strings"
+    hints = [s for s in ENGLISH_HINTS if s in _page(source).read_text(encoding="utf-8")]
+    assert not hints, f"{_id(source)}: English toggle hints {hints}"
     runs = ENGLISH_RUN.findall(" ".join(p.output_text))
     assert not runs, f"{_id(source)}: English in cell outputs (mark quoted model answers lang=\"en\"): {runs[:5]}"
