@@ -143,6 +143,13 @@ def g(key: str, value) -> None:
     glue(key, value, display=False)
 
 
+def g_all(values: dict[str, str]) -> dict[str, str]:
+    """Glue every ``(key, value)`` of ``values`` as :func:`g` does; return ``values``."""
+    for key, value in values.items():
+        g(key, value)
+    return values
+
+
 def ms(seconds: float) -> str:
     """``12.3 ms``."""
     return f"{seconds * 1e3:,.1f} ms"
@@ -227,40 +234,6 @@ def remainder(whole: float, parts: float, digits: int = 1) -> str:
     if rest > 0:
         return f"{rest * 1e3:,.{digits}f} ms"
     return f"量不出（单独量的几块加起来比整体多 {-rest * 1e3:,.{digits}f} ms）"
-
-
-def against_floor(measured: float, floor: float) -> str:
-    """How a measured time stands against its ledger floor, in words: the floor's share of it, or,
-    when the measurement beats its own lower bound, by how much (the text must then say whose
-    ceiling, a probe's, is wrong for that operation)."""
-    if measured >= floor:
-        return f"下界是实测的 {floor / measured:.0%}"
-    return f"实测比“下界”还快 {1 - measured / floor:.0%}"
-
-
-def prefill_flops_done(cfg: ModelConfig, n: int, dtype) -> float:
-    """FLOPs a prefill of ``n`` tokens really does (the ledger counts the output layer once)."""
-    from minillm.lab.estimate import prefill
-
-    return prefill(cfg, n, dtype).flops
-
-
-def why_prefill_beat_floor(cfg: ModelConfig, n: int, dtype, seconds: float, profile: MachineProfile) -> str:
-    """Why a prefill of ``n`` tokens that took ``seconds`` came in under the ledger's floor F / P:
-    first the output layer the ledger counts for every token; then, if the FLOPs really done still
-    ran faster than the probed matmul rate, that the probe is no ceiling for this operation."""
-    from minillm.lab.estimate import prefill
-
-    done = prefill_flops_done(cfg, n, dtype)
-    overcount = 1 - done / prefill(cfg, n, dtype).flops
-    rate = done / seconds
-    text = (f"账本为每个 token 都算了一遍输出层，可预填充只为最后一个 token 算 logits，账本因此多记了 {overcount:.0%} "
-            f"的运算；扣掉这部分，这次前向实际做的运算达到 {rate / 1e9:,.1f} GFLOP/s")
-    if rate > profile.matmul_flops:
-        return text + (f"，仍高于探测的矩阵乘速率 {profile.matmul_flops / 1e9:,.1f} GFLOP/s。所以是下界的天花板错了："
-                       "探测只测一个方阵乘法，它的速率不是这台机器做这种运算的上限，"
-                       "按它算出的“下界”对这个操作并不成立")
-    return text + f"，低于探测的矩阵乘速率 {profile.matmul_flops / 1e9:,.1f} GFLOP/s：扣掉多记的部分，下界就成立了"
 
 
 def last_level_cache_bytes(device: torch.device) -> int | None:

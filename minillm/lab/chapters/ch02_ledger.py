@@ -338,9 +338,7 @@ def show_comparison(lab, counted: dict[str, int]) -> None:
 
 def glue_chapter(lab, counted: dict[str, int], ctx: int) -> dict[str, str]:
     """What the chapter page quotes from this lab, glued (and returned)."""
-    from myst_nb import glue
-
-    from minillm.lab.notebook import profile_words
+    from minillm.lab.notebook import g_all, profile_words
 
     cfg, dtype, profile = lab.config, lab.dtype_name, lab.profile
     P, W = profile.matmul_flops, profile.copy_bandwidth
@@ -366,6 +364,4 @@ def glue_chapter(lab, counted: dict[str, int], ctx: int) -> dict[str, str]:
         profile.ridge_point < min_gpu,
         f"比规格表里脊点最低的卡（{min_gpu:,.0f}）还低得多：同样的模型，在这台机器上早早就变成算力受限。",
         f"和规格表里的 GPU（最低 {min_gpu:,.0f}）在同一个量级。")
-    for key, value in v.items():
-        glue(key, value, display=False)
-    return v
+    return g_all(v)

@@ -431,9 +431,7 @@ def _beat_why(s: Sweep, n: int) -> str | None:
 
 def glue_chapter(lab, s: Sweep, logits: dict[bool, float], logits_n: int) -> dict[str, str]:
     """What the chapter page quotes from this lab, glued (and returned)."""
-    from myst_nb import glue
-
-    from minillm.lab.notebook import last_level_cache_bytes, profile_words
+    from minillm.lab.notebook import g_all, last_level_cache_bytes, profile_words
 
     cfg, dtype, words = s.cfg, s.dtype, profile_words(lab.profile)
     small, large = s.lengths[0], s.lengths[-1]
@@ -508,9 +506,7 @@ def glue_chapter(lab, s: Sweep, logits: dict[bool, float], logits_n: int) -> dic
             f"多出来的 {v['ex4_extra']} 比这些运算按探测速率算的 {v['ex4_floor']} 还少："
             "输出层这个又宽又扁的矩阵乘跑得比探测的方阵快。")
     v["record_note"] = _record_note()
-    for key, value in v.items():
-        glue(key, value, display=False)
-    return v
+    return g_all(v)
 
 
 def _record_note() -> str:

@@ -453,9 +453,7 @@ def glue_chapter(lab, s: DecodeSweep, ctx: int, samplers: dict, sampler_rows: in
     ``sampler_rows`` rows, the sweep's largest batch; ``host`` from :func:`time_host`."""
     if sampler_rows != s.points(ctx)[-1]:
         raise ValueError(f"time the samplers on the largest batch ({s.points(ctx)[-1]}), not {sampler_rows}")
-    from myst_nb import glue
-
-    from minillm.lab.notebook import profile_words
+    from minillm.lab.notebook import g_all, profile_words
 
     cfg, dtype, words = s.cfg, s.dtype, profile_words(lab.profile)
     batches = s.points(ctx)
@@ -540,9 +538,7 @@ def glue_chapter(lab, s: DecodeSweep, ctx: int, samplers: dict, sampler_rows: in
                             f"反而慢了（{samplers['topk'] / samplers['sort']:.1f} 倍）")
     v |= host_words(host)
     v["record_note"] = _record_note()
-    for key, value in v.items():
-        glue(key, value, display=False)
-    return v
+    return g_all(v)
 
 
 def _record_note() -> str:

@@ -433,9 +433,7 @@ def gqa_points(lab):
 
 def glue_chapter(lab, s: Steps, gen: Generation, kv_rows, waste: Waste, g: GqaMha) -> dict[str, str]:
     """What the chapter page quotes from this lab, glued (and returned)."""
-    from myst_nb import glue
-
-    from minillm.lab.notebook import profile_words
+    from minillm.lab.notebook import g_all, profile_words
 
     cfg, dtype, words = s.cfg, s.dtype, profile_words(lab.profile)
     for t in s.ts:
@@ -505,6 +503,4 @@ def glue_chapter(lab, s: Steps, gen: Generation, kv_rows, waste: Waste, g: GqaMh
             "实测之比不小于下界之比：CPU 的参考实现先把 K、V 收集成一份连续的拷贝再算，KV 字节被搬了不止一遍，"
             "KV 越多，这份额外的搬运越多。",
             "实测之比不小于下界之比：KV 越多，注意力 kernel 读 KV 的效率在一步里越要紧。")
-    for key, value in v.items():
-        glue(key, value, display=False)
-    return v
+    return g_all(v)
