@@ -52,8 +52,9 @@ def test_the_floor_rises_with_the_experts_touched_and_stays_bandwidth_bound():
     assert many.flops == pytest.approx(64 * one.flops)
     assert one.bound == many.bound == "memory"
     assert 3.9 < many.seconds / one.seconds < 4.1  # 8 experts instead of 2, and 64 requests' KV
-    rows = ch12.floor_rows(QWEN, P, W, batches=(1, 256))
-    assert rows[0][1] == "8.0" and rows[1][1] == "128.0"
+    rows = ch12.floor_rows({"q": QWEN}, P, W, batches=(1, 10**6))
+    assert rows[0][1] == f"{(L.weight_bytes(QWEN) - 151936 * 2048 * 2 - 48 * 120 * L.expert_bytes(QWEN)) / 1e9:.1f} GB"
+    assert rows[1][1] == f"{(L.weight_bytes(QWEN) - 151936 * 2048 * 2) / 1e9:.1f} GB" and "（带宽：M/W）" in rows[0][2]
 
 
 def test_mbu_three_ways():

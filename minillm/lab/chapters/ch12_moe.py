@@ -92,16 +92,14 @@ def touched_rows(cfgs: dict[str, ModelConfig], batches=PAGE_BATCHES) -> list[lis
     return [[str(b), *[f"{L.experts_touched(cfg, b):.1f}" for cfg in cfgs.values()]] for b in batches]
 
 
-def floor_rows(cfg: ModelConfig, peak_flops: float, bandwidth: float, batches=PAGE_BATCHES) -> list[list[str]]:
-    """Per batch size: weights read, the floor and its ceiling, tok/s upper bound."""
+def floor_rows(cfgs: dict[str, ModelConfig], peak_flops: float, bandwidth: float,
+               batches=PAGE_BATCHES) -> list[list[str]]:
+    """Per batch size, for each model: the weights a step reads and its floor (the ceiling named)."""
     from minillm.lab.report import floor_words
 
-    rows = []
-    for b in batches:
-        floor = step(cfg, b, peak_flops, bandwidth)
-        rows.append([str(b), f"{L.experts_touched(cfg, b):.1f}", f"{weights_read(cfg, b) / GB:.1f} GB",
-                     floor_words(floor), f"{b / floor.seconds:,.0f}"])
-    return rows
+    return [[str(b), *[cell for cfg in cfgs.values() for cell in
+                       (f"{weights_read(cfg, b) / GB:.1f} GB", floor_words(step(cfg, b, peak_flops, bandwidth)))]]
+            for b in batches]
 
 
 def fits(nbytes: float, card_gib: int) -> bool:
@@ -291,6 +289,7 @@ def glue_chapter(r: dict) -> None:
     """Glue every number and sentence the chapter quotes from this lab (``r``: the lab's results)."""
     from minillm.lab.claims import above_floor, choose, claim
     from minillm.lab.notebook import g, last_level_cache_bytes, ms
+    from minillm.lab.report import floor_words
 
     lab, cfg, moe, dense, skewed = r["lab"], r["cfg"], r["moe"], r["dense"], r["skewed"]
     profile, dtype = lab.profile, lab.dtype_name
@@ -339,21 +338,36 @@ def glue_chapter(r: dict) -> None:
     above_floor(last.seconds, floor, f"这一步读的权重 {read / 1e6:,.0f} MB 放得进本机最大一级缓存（{llc / 1e6 if llc else 0:,.0f} MB），"
                                      "重复计时的同一步有一部分从缓存里读" if cached else None)
     g("lab_last_read_mb", f"{read / 1e6:,.0f} MB")
-    g("lab_last_floor", f"{floor.seconds * 1e3:,.1f} ms")
+    g("lab_last_floor", floor_words(floor))
     g("lab_bw", f"{profile.copy_bandwidth / 1e9:,.1f} GB/s")
+    g("lab_flops", f"{profile.matmul_flops / 1e9:,.1f} GFLOP/s")
+    share = last.batch * cfg.num_experts_per_tok / cfg.num_experts
+    g("lab_big_bound", choose(
+        floor.bound == "compute",
+        f"批 {last.batch} 时每个专家分到约 {share:.0f} 个 token，这一步的下界已经由算力决定。",
+        f"批 {last.batch} 时每个专家分到约 {share:.0f} 个 token，这一步的下界仍由带宽决定，但每个字节要做的运算已经是批 1 时的好几倍。"))
+    g("lab_rebound", choose(
+        ratios[-1] > min(ratios),
+        "“两者之比”在最大的批上回升：时间比专家数涨得更快，多出来的是运算。",
+        "这一次“两者之比”在最大的批上没有回升：运算的增长还藏在读字节的时间里。"))
+    dense_floor = lab_floor(r["dense_cfg"], dense[-1], profile, dtype)
+    g("lab_dense_why", choose(
+        dense_floor.bound == "compute",
+        f"稠密模型也慢了：本机的脊点只有 {profile.ridge_point:,.1f} FLOP/字节，批 {last.batch} 时它的一步已经由算力决定，"
+        "运算随批线性增长。",
+        f"稠密模型也慢了：它的一步虽仍由带宽决定（本机的脊点是 {profile.ridge_point:,.1f} FLOP/字节），"
+        "注意力、KV 和每一步的固定开销都随批增长。"))
     kv = last.batch * L.kv_bytes(cfg, LAB_CTX, dtype)
-    mbu_read = (read + kv) / last.seconds / profile.copy_bandwidth
-    mbu_total = (L.weight_bytes(cfg, dtype) + kv) / last.seconds / profile.copy_bandwidth
-    g("lab_mbu", f"{mbu_read:.0%}")
+    g("lab_mbu", f"{(read + kv) / last.seconds / profile.copy_bandwidth:.0%}")
     one_read = weights_read_counted(cfg, first.touched, dtype) + L.kv_bytes(cfg, LAB_CTX, dtype)
     g("lab_b1_read_mb", f"{one_read / 1e6:,.0f} MB")
     g("lab_b1_mbu", f"{one_read / first.seconds / profile.copy_bandwidth:.0%}")
-    g("lab_b1_mbu_total", f"{(L.weight_bytes(cfg, dtype) + L.kv_bytes(cfg, LAB_CTX, dtype)) / first.seconds / profile.copy_bandwidth:.0%}")
-    g("lab_mbu_total", f"{mbu_total:.0%}")
-    g("lab_llc", f"{llc / 1e6:,.0f} MB" if llc else "未知")
+    every = decode_read_bytes(cfg, dtype) + L.kv_bytes(cfg, LAB_CTX, dtype)
+    g("lab_b1_mbu_total", f"{every / first.seconds / profile.copy_bandwidth:.0%}")
     g("lab_b1_cached", choose(
         llc is not None and one_read < llc,
-        "批 1 的一步只读这么多，放得进本机最大一级缓存，同一步重复计时，后几遍有一部分是从缓存里读的，它的 MBU 因此可能偏高。",
+        f"批 1 的一步读的字节比本机最大一级缓存（{(llc or 0) / 1e6:,.0f} MB）还少，同一步重复计时，后几遍有一部分是从缓存里读的，"
+        "它的 MBU 因此可能偏高。",
         "批 1 的一步也比本机最大一级缓存大，重复计时的每一遍都要从内存里读。"))
     # the skewed router
     mid = next(i for i, p in enumerate(moe) if p.batch == 16)
@@ -361,10 +375,16 @@ def glue_chapter(r: dict) -> None:
     g("skew_scale", f"{HOT_SCALE:g}")
     g("skew_b16_uniform", f"{moe[mid].mean_touched:.1f}")
     g("skew_b16_skewed", f"{skewed[mid].mean_touched:.1f}")
-    g("skew_b16_imbalance", f"{skewed[mid].imbalance:.1f}")
+    g("skew_last_imbalance", f"{skewed[-1].imbalance:.1f}")
+    g("skew_last_uniform_imbalance", f"{last.imbalance:.1f}")
     g("skew_b16_uniform_imbalance", f"{moe[mid].imbalance:.1f}")
+    g("skew_b16_mean", f"{16 * cfg.num_experts_per_tok / cfg.num_experts:g}")
     fewer = sum(s.mean_touched < u.mean_touched for u, s in zip(moe[1:], skewed[1:]))
     g("skew_fewer", choose(
         fewer >= len(moe[1:]) - 1,
         "偏向的路由器在几乎每个批上都触到更少的专家：热门专家被反复选中，冷门的那些更久才轮到一次。",
         "偏向的路由器并没有在每个批上都触到更少的专家：这一次随机的 token 里，热门专家的优势没有大到处处压过均匀的情形。"))
+    g("skew_heavier", choose(
+        skewed[-1].imbalance > last.imbalance,
+        "热门专家的负担也确实更重了。",
+        "这一次偏向的路由器在最大的批上反而没有更不均：热门专家不止一个，token 在它们之间又分开了。"))
