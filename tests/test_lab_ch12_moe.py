@@ -85,7 +85,7 @@ def test_the_dense_twin_runs_as_many_weights_per_token():
 
 def test_a_sweep_counts_the_experts_each_layer_ran():
     model = ch12.load(CPU, TINY_MOE)
-    points = ch12.sweep(model, batches=(1, 16), ctx=8, steps=1)
+    points = ch12.sweep(model, batches=(1, 16), ctx=8, steps=1, rounds=2)
     one, many = points
     assert one.touched == [2, 2] and one.mean_touched == 2
     assert all(sum(layer) == 16 * 2 for layer in many.expert_tokens)
@@ -103,7 +103,7 @@ def test_heat_biases_the_router_towards_its_first_experts():
     ch12.heat(model, experts=2, scale=3.0)
     for w, layer in zip(before, ch12.moe_layers(model)):
         assert torch.equal(layer.gate.weight[:2], 3.0 * w[:2]) and torch.equal(layer.gate.weight[2:], w[2:])
-    hot = ch12.sweep(model, batches=(64,), ctx=8, steps=1)[0]
+    hot = ch12.sweep(model, batches=(64,), ctx=8, steps=1, rounds=1)[0]
     assert all(layer[0] + layer[1] > 64 * 2 * 2 / 8 for layer in hot.expert_tokens)  # above their uniform share
 
 

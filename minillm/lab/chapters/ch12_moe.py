@@ -144,7 +144,7 @@ LAB_MOE = ModelConfig(name="moe-lab（32 选 2，2 层）", model_type="qwen3_mo
                       max_position_embeddings=2048, qk_norm=True, torch_dtype="float32",
                       num_experts=32, num_experts_per_tok=2, norm_topk_prob=True)
 LAB_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-LAB_CTX, LAB_STEPS = 64, 9
+LAB_CTX, LAB_STEPS, LAB_ROUNDS = 64, 3, 4
 HOT_EXPERTS, HOT_SCALE = 4, 3.0  # the skewed router: these experts' router rows scaled up
 
 
@@ -201,17 +201,19 @@ class Point:
         return statistics.fmean(max(layer) * len(layer) / sum(layer) for layer in self.expert_tokens)
 
 
-def sweep(model, batches=LAB_BATCHES, ctx: int = LAB_CTX, steps: int = LAB_STEPS) -> list[Point]:
+def sweep(model, batches=LAB_BATCHES, ctx: int = LAB_CTX, steps: int = LAB_STEPS, rounds: int = LAB_ROUNDS) -> list[Point]:
     """Time one decode step per batch size (``bench.time_decode_step``: the same step ``steps``
-    times, its median) and keep what each MoE layer's router did in it."""
+    times) in ``rounds`` passes over all the batch sizes, so that a busy spell of a shared machine
+    falls on all of them; each point the median of its samples, with what each MoE layer's router
+    did in that step (the same input every time)."""
     from minillm.lab.bench import time_decode_step
 
-    points = []
-    for b in batches:
-        seconds = statistics.median(time_decode_step(model, b, ctx, steps))
-        tokens = tuple(tuple(layer.expert_tokens) for layer in moe_layers(model))
-        points.append(Point(b, seconds, tokens))
-    return points
+    samples, tokens = {b: [] for b in batches}, {}
+    for _ in range(rounds):
+        for b in batches:
+            samples[b] += time_decode_step(model, b, ctx, steps)
+            tokens[b] = tuple(tuple(layer.expert_tokens) for layer in moe_layers(model))
+    return [Point(b, statistics.median(samples[b]), tokens[b]) for b in batches]
 
 
 def lab_floor(cfg: ModelConfig, point: Point, profile, dtype: str) -> Floor:
@@ -347,9 +349,9 @@ def glue_chapter(r: dict) -> None:
         f"批 {last.batch} 时每个专家分到约 {share:.0f} 个 token，这一步的下界已经由算力决定。",
         f"批 {last.batch} 时每个专家分到约 {share:.0f} 个 token，这一步的下界仍由带宽决定，但每个字节要做的运算已经是批 1 时的好几倍。"))
     g("lab_rebound", choose(
-        ratios[-1] > min(ratios),
+        ratios[-1] > ratios[-2],
         "“两者之比”在最大的批上回升：时间比专家数涨得更快，多出来的是运算。",
-        "这一次“两者之比”在最大的批上没有回升：运算的增长还藏在读字节的时间里。"))
+        "这一次“两者之比”在最大的批上没有回升：运算多出来的那一份没有在时间里显出来。"))
     dense_floor = lab_floor(r["dense_cfg"], dense[-1], profile, dtype)
     g("lab_dense_why", choose(
         dense_floor.bound == "compute",
