@@ -320,6 +320,7 @@ def glue_chapter(r: dict) -> None:
     g("lab_touched_x", f"{touched_x:.1f}")
     g("lab_dense_x", f"{dense[-1].seconds / dense[0].seconds:.1f}")
     g("lab_dense_b1_ms", ms(dense[0].seconds))
+    g(f"lab_dense_b{dense[-1].batch}_ms", ms(dense[-1].seconds))
     claim(last.seconds > 2 * first.seconds, "the MoE's step is much slower at the largest batch than at one token",
           b1=first.seconds, last=last.seconds)
     claim(time_x > dense[-1].seconds / dense[0].seconds, "the MoE's step time grows faster with B than the dense twin's")
