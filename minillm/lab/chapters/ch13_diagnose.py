@@ -3,10 +3,10 @@ chapter 先问瓶颈，再换框架).
 
 Two halves, out of the reader's way. The lab's: three serving scenarios built to hit one wall each,
 run, recorded (``records.save_run``) and read back by ``minillm.lab.diagnose``; their tables and
-figure in Chinese; :func:`glue_chapter`. The page's: the ledger of two techniques that break the
-book's defaults (mixture of experts, tensor parallelism; quantization and speculative decoding have
-their own chapters), every time a floor ``max(F/P, M/W)`` on a datasheet's two ceilings
-(:func:`mixtral`, :func:`tensor_parallel`, and :func:`page_numbers`, which the page glues).
+figure in Chinese; :func:`glue_chapter`. The page's: the ledger of tensor parallelism, which breaks
+the book's one-card default (quantization, mixture of experts and speculative decoding have their own
+chapters), a floor ``max(F/P, M/W)`` on a datasheet's two ceilings (:func:`tensor_parallel`, and
+:func:`page_numbers`, which the page glues).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from minillm.engine.config import ModelConfig, load_config
 from minillm.lab import estimate as L
-from minillm.lab.estimate import GB, GiB, KiB, Floor, fmt_int, roofline_floor
+from minillm.lab.estimate import GB, GiB, Floor, fmt_int, roofline_floor
 from minillm.lab.gpus import lookup_gpu
 from minillm.lab.notebook import ms
 
@@ -302,55 +302,6 @@ LLAMA_70B = dict(name="llama-3.1-70b-shape", model_type="llama", vocab_size=1282
                  max_position_embeddings=131072)
 
 
-@dataclass(frozen=True)
-class MoE:
-    """A mixture-of-experts model's ledger (``minillm.lab.estimate``) in the page's terms: the
-    parameters every token uses, one expert across all layers, and the experts a batch touches."""
-
-    cfg: ModelConfig
-
-    @property
-    def experts(self) -> int:
-        return self.cfg.num_experts
-
-    @property
-    def top_k(self) -> int:
-        return self.cfg.num_experts_per_tok
-
-    @property
-    def expert(self) -> int:
-        return self.cfg.num_layers * L.expert_params(self.cfg)  # all layers' share of one expert
-
-    @property
-    def shared(self) -> int:
-        """Parameters every token uses: all but the experts' MLPs."""
-        return self.active - self.top_k * self.expert
-
-    @property
-    def total(self) -> int:
-        return L.param_count(self.cfg)
-
-    @property
-    def active(self) -> int:
-        return L.active_param_count(self.cfg)
-
-    def touched(self, batch: int) -> float:
-        """Experts a decode step of ``batch`` tokens reads per layer, routing uniform."""
-        return L.experts_touched(self.cfg, batch)
-
-    def step(self, batch: int, ctx: int, peak_flops: float, bandwidth: float) -> Floor:
-        """The floor of a decode step: each token computes with the active parameters; the step
-        reads the shared weights, the experts its tokens touched, and every request's KV."""
-        embedding = self.cfg.vocab_size * self.cfg.hidden_size  # a lookup, not a read
-        flops = batch * (2 * (self.active - embedding) + L.attention_flops_per_token(self.cfg, ctx))
-        nbytes = 2 * (self.shared - embedding + self.touched(batch) * self.expert) + batch * L.kv_bytes(self.cfg, ctx)
-        return roofline_floor(flops, nbytes, peak_flops, bandwidth)
-
-
-def mixtral() -> MoE:
-    return MoE(load_config("mixtral-8x7b"))
-
-
 def allreduce_bytes_per_token(cfg: ModelConfig, tp: int, dtype="bf16") -> float:
     """Bytes each GPU sends per token per step: two all-reduces per layer (after attention and
     after the MLP), a ring all-reduce moving 2 (tp - 1) / tp of the H-wide activation."""
@@ -391,28 +342,8 @@ def page_numbers() -> dict[str, str]:
     from minillm.lab.diagnose import COMPUTE_TIME_SHARE, FIRST_TOKEN_SHARE, KV_BLOCKED_SHARE
     from minillm.lab.report import floor_words
 
-    gpu = lookup_gpu(SCENE_GPU)
-    P, W = gpu.bf16_flops, gpu.bandwidth
     out = {"kv_blocked_share": f"{KV_BLOCKED_SHARE:.0%}", "compute_time_share": f"{COMPUTE_TIME_SHARE:.0%}",
-           "first_token_share": f"{FIRST_TOKEN_SHARE:.0%}", "ctx": fmt_int(CTX), "h100": gpu.name,
-           "h100_gib": f"{gpu.memory_gib:g} GiB", "util": "0.92"}
-
-    moe = mixtral()
-    out.update(moe_experts=str(moe.experts), moe_topk=str(moe.top_k), moe_total_b=f"{moe.total / 1e9:.1f}B",
-               moe_active_b=f"{moe.active / 1e9:.1f}B", moe_total_gb=f"{2 * moe.total / GB:.1f} GB",
-               moe_fits_h100="放得下" if 2 * moe.total < 0.92 * gpu.memory_bytes else "放不下",
-               moe_kv=f"{L.kv_bytes_per_token(moe.cfg) / KiB:.0f} KiB")
-    for b in (1, 8, 64):
-        step = moe.step(b, CTX, P, W)
-        out[f"moe_b{b}_gb"] = f"{step.bytes / GB:.1f} GB"
-        out[f"moe_b{b}_floor"] = floor_words(step)
-    embedding = moe.cfg.vocab_size * moe.cfg.hidden_size
-    one = moe.step(1, CTX, P, W)
-    as_total = 2 * (moe.total - embedding) + L.kv_bytes(moe.cfg, CTX)
-    out["moe_mbu_high"] = f"{as_total / one.bytes:.1f}"
-    many = moe.step(64, CTX, P, W)
-    as_active = 2 * (moe.active - embedding) + 64 * L.kv_bytes(moe.cfg, CTX)
-    out["moe_mbu_low"] = f"{as_active / many.bytes:.0%}"
+           "first_token_share": f"{FIRST_TOKEN_SHARE:.0%}", "ctx": fmt_int(CTX), "h100": lookup_gpu(SCENE_GPU).name}
 
     cfg, big = load_config("llama-3.1-8b"), ModelConfig(**LLAMA_70B)
     budget = 24 * GiB * 0.92
