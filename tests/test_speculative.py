@@ -366,21 +366,23 @@ def smollm2():
 def test_smollm2_greedy_tokens_with_speculation_equal_those_without(smollm2):
     """Chats that ask for text the answer repeats (n-gram proposals hit), with one open question, in
     one batch: their prompts cut in chunks of the 64-token budget, their shared system prompt a
-    prefix-cache hit."""
+    prefix-cache hit. By prompt lookup and by a draft of the first 24 of the 30 layers."""
     chats = ["Repeat this sentence three times: the cache keeps the keys and values of every token.",
              "Copy this list exactly: red apple, green pear, red apple, green pear, yellow plum.",
              "What is a GPU good at?"]
     params = [greedy(40), greedy(36), greedy(24)]
     results = []
-    for spec in (None, NGRAM):
+    draft = {"method": "draft_layers", "num_draft_layers": 24, "num_speculative_tokens": 3}
+    for spec in (None, NGRAM, draft):
         llm = LLM(smollm2, num_kv_blocks=64, max_num_batched_tokens=64, speculative_config=spec)
         prompts = [llm.chat_prompt_ids([{"role": "user", "content": c}]) for c in chats]
         results.append(([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm.stats()))
         assert_all_blocks_back(llm)
-    (off, off_stats), (on, stats) = results
-    assert on == off
-    assert stats["num_accepted_tokens"] > 0 and stats["num_steps"] < off_stats["num_steps"]
-    assert stats["prefix_hit_tokens"] > 0 and max(s["num_prefill_tokens"] for s in stats["steps"]) == 64
+    (off, off_stats), *with_spec = results
+    for on, stats in with_spec:
+        assert on == off
+        assert stats["num_accepted_tokens"] > 0 and stats["num_steps"] < off_stats["num_steps"]
+        assert stats["prefix_hit_tokens"] > 0 and max(s["num_prefill_tokens"] for s in stats["steps"]) == 64
 
 
 def test_min_tokens_holds_at_every_proposed_position():
@@ -415,6 +417,22 @@ def test_bench_speculative_prints_its_ratios_as_one_json_object(capsys):
     assert 0 < result["num_accepted_tokens"] <= result["num_draft_tokens"]
     assert result["acceptance_rate"] == result["num_accepted_tokens"] / result["num_draft_tokens"]
     assert 1 < result["mean_accepted_length"] <= 1 + result["speculative_config"]["num_speculative_tokens"]
+
+
+def test_bench_speculative_prices_a_draft_of_the_first_layers(capsys):
+    from minillm.__main__ import main
+
+    assert main(["bench", "speculative", "--method", "draft_layers", "--draft-layers", "20", "--max-tokens", "10",
+                 "--repeats", "1", "--device", "cpu", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["identical"] and r["speculative_config"]["num_draft_layers"] == 20
+    assert 0 < r["draft_cost"] == r["draft_pass_s"] / r["target_step_s"]
+    assert r["verify_cost"] == r["verify_step_s"] / r["target_step_s"] > 0
+    assert r["predicted_speedup"] == pytest.approx(
+        r["mean_accepted_length"] / (r["proposals_per_verify"] * r["draft_cost"] + r["verify_cost"]))
+    assert 1 <= r["proposals_per_verify"] <= 4
+    assert main(["bench", "speculative", "--method", "draft_layers", "--device", "cpu"]) != 0  # no --draft-layers
+    assert "num_draft_layers' must be a positive int" in capsys.readouterr().err
 
 
 def test_bench_speculative_prompts_by_task():

@@ -24,6 +24,7 @@ the rejected positions' KV slots back.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -110,16 +111,20 @@ class LayerDraft:
     many tokens, one position per forward pass, all such requests batched (a request drops out
     when it has its tokens). Each pass is a decode step of the first layers over the paged cache:
     it reads layers 0..L-1 of the request's KV and writes them at the drafted position, a slot the
-    scheduler has allocated and the verify step overwrites."""
+    scheduler has allocated and the verify step overwrites. ``num_passes`` and ``seconds`` count
+    its forward passes and the wall time they took (each ends by reading its tokens back), since
+    it was built: what a bench divides to price a draft pass against a target step."""
 
     def __init__(self, model, kv_cache, config: SpeculativeConfig):
         self.model, self.kv = model, kv_cache
         self.num_layers = config.num_draft_layers
+        self.num_passes, self.seconds = 0, 0.0
 
     def propose(self, requests: list[Request], generators: dict) -> dict[str, torch.Tensor]:
         """Fill each request's ``spec_token_ids``: greedy ones take the draft's argmax, the others
         draw from its distribution q with their own generator. Returns request_id -> q's rows
         ``[num_spec_tokens, V]`` for the drawn ones (the rejection sampler's q)."""
+        start = time.perf_counter()
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in requests if not r.params.greedy}
         for j in range(max(r.num_spec_tokens for r in requests)):
             active = [r for r in requests if r.num_spec_tokens > j]
@@ -135,4 +140,6 @@ class LayerDraft:
                     probs[request.request_id].append(q)
                     tokens[row] = int(torch.multinomial(q, 1, generator=generators.get(request.request_id)))
                 request.spec_token_ids.append(tokens[row])
+            self.num_passes += 1
+        self.seconds += time.perf_counter() - start
         return {request_id: torch.stack(rows) for request_id, rows in probs.items()}
