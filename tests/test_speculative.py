@@ -432,7 +432,7 @@ def test_bench_speculative_prices_a_draft_of_the_first_layers(capsys):
         r["mean_accepted_length"] / (r["proposals_per_verify"] * r["draft_cost"] + r["verify_cost"]))
     assert 1 <= r["proposals_per_verify"] <= 4
     assert main(["bench", "speculative", "--method", "draft_layers", "--device", "cpu"]) != 0  # no --draft-layers
-    assert "num_draft_layers' must be a positive int" in capsys.readouterr().err
+    assert "num_draft_layers'] must be a positive int" in capsys.readouterr().err
 
 
 def test_bench_speculative_prompts_by_task():
