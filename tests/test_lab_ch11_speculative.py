@@ -114,6 +114,7 @@ def test_draft_rows_put_the_measured_cost_beside_the_bytes_ratio():
     assert rows[1][7] == f"{2.1 / 4.6:.2f}×" and len(rows[1]) == len(ch11.DRAFT_HEADER)
     assert ch11.draft_sentence(drafts).startswith("两种深度都让解码变慢了：浅的")
     assert "并没有" in ch11.draft_sentence({12: drafts[27], 27: drafts[12]})
+    assert "并没有" in ch11.draft_sentence({12: {**drafts[12], "draft_cost": 1.1}, 27: drafts[27]})
     assert ch11.draft_sentence({12: drafts[12], 27: {**drafts[27], "speedup": 1.2}}).startswith("至少有一种")
     assert "不到 15%" in ch11.predict_sentence(drafts)  # 0.348 vs 0.35, 0.457 vs 0.45
     assert "15% 以上" in ch11.predict_sentence({12: {**drafts[12], "speedup": 0.5}})

@@ -263,10 +263,10 @@ def draft_sentence(drafts: dict) -> str:
     shallow, deep = (drafts[n] for n in sorted(drafts))
     if max(r["speedup"] for r in drafts.values()) >= 1:
         return "至少有一种深度让解码变快了：它的猜测被收下得够多，抵过了草稿自己那几遍。"
-    return choose(deep["acceptance_rate"] > shallow["acceptance_rate"],
-                  "两种深度都让解码变慢了：浅的草稿便宜，可它的猜测几乎都被拒；深的草稿猜得准一些，"
-                  "每一遍却几乎和整个模型一样贵。",
-                  "两种深度都让解码变慢了，而且深的草稿并没有比浅的猜得更准。")
+    return choose(deep["acceptance_rate"] > shallow["acceptance_rate"] and shallow["draft_cost"] < deep["draft_cost"],
+                  "两种深度都让解码变慢了：浅的草稿便宜些，可它的猜测大多被拒；深的草稿猜得准一些，"
+                  "每一遍却贵得多。",
+                  "两种深度都让解码变慢了，而且深的草稿并没有在更贵的同时猜得更准。")
 
 
 def predict_sentence(drafts: dict) -> str:
