@@ -112,9 +112,12 @@ def test_draft_rows_put_the_measured_cost_beside_the_bytes_ratio():
     assert rows[0] == ["12 / 30", "5%", "1.15", "3.00", "0.60", f"{ch11.bytes_draft_cost(SMOL, 12):.2f}", "1.50",
                        f"{1.15 / 3.3:.2f}×", "0.35×"]
     assert rows[1][7] == f"{2.1 / 4.6:.2f}×" and len(rows[1]) == len(ch11.DRAFT_HEADER)
-    assert ch11.draft_sentence(drafts).startswith("两种深度都让解码变慢了：浅的")
+    assert ch11.draft_sentence(drafts).startswith("两种深度都让解码变慢了：浅的草稿便宜得多")  # 1.0 >= 1.3 x 0.6
+    assert "并不比它便宜多少" in ch11.draft_sentence({12: {**drafts[12], "draft_cost": 0.9}, 27: drafts[27]})
     assert "并没有" in ch11.draft_sentence({12: drafts[27], 27: drafts[12]})
-    assert "并没有" in ch11.draft_sentence({12: {**drafts[12], "draft_cost": 1.1}, 27: drafts[27]})
+    bytes_12 = ch11.bytes_draft_cost(SMOL, 12)
+    assert ch11.cost_sentence(drafts, SMOL).startswith("浅的草稿实测的 c 和它的字节之比相差不大")  # 0.6 < 1.3 x 0.53
+    assert "远高于" in ch11.cost_sentence({12: {**drafts[12], "draft_cost": 1.3 * bytes_12}}, SMOL)
     assert ch11.draft_sentence({12: drafts[12], 27: {**drafts[27], "speedup": 1.2}}).startswith("至少有一种")
     assert "不到 15%" in ch11.predict_sentence(drafts)  # 0.348 vs 0.35, 0.457 vs 0.45
     assert "15% 以上" in ch11.predict_sentence({12: {**drafts[12], "speedup": 0.5}})

@@ -257,16 +257,28 @@ def draft_rows(drafts: dict, cfg) -> list[list[str]]:
 
 
 def draft_sentence(drafts: dict) -> str:
-    """What the two depths did, as a whole sentence: faster or not, and whether depth bought acceptance."""
+    """What the two depths did, as a whole sentence: faster or not, and what depth bought (the
+    deep draft's pass counts as much dearer from 1.3 times the shallow one's)."""
     from minillm.lab.claims import choose
 
     shallow, deep = (drafts[n] for n in sorted(drafts))
     if max(r["speedup"] for r in drafts.values()) >= 1:
         return "至少有一种深度让解码变快了：它的猜测被收下得够多，抵过了草稿自己那几遍。"
-    return choose(deep["acceptance_rate"] > shallow["acceptance_rate"] and shallow["draft_cost"] < deep["draft_cost"],
-                  "两种深度都让解码变慢了：浅的草稿便宜些，可它的猜测大多被拒；深的草稿猜得准一些，"
-                  "每一遍却贵得多。",
-                  "两种深度都让解码变慢了，而且深的草稿并没有在更贵的同时猜得更准。")
+    if deep["acceptance_rate"] <= shallow["acceptance_rate"]:
+        return "两种深度都让解码变慢了，而且深的草稿并没有比浅的猜得更准。"
+    return choose(deep["draft_cost"] >= 1.3 * shallow["draft_cost"],
+                  "两种深度都让解码变慢了：浅的草稿便宜得多，可它的猜测大多被拒；深的草稿猜得准一些，每一遍却贵得多。",
+                  "两种深度都让解码变慢了：深的草稿猜得准一些，浅的却并不比它便宜多少，它的猜测又大多被拒。")
+
+
+def cost_sentence(drafts: dict, cfg) -> str:
+    """The shallow draft's measured c against its bytes ratio (far above: from 1.3 times), as a whole sentence."""
+    from minillm.lab.claims import choose
+
+    n = min(drafts)
+    return choose(drafts[n]["draft_cost"] >= 1.3 * bytes_draft_cost(cfg, n),
+                  "浅的草稿实测的 c 远高于它的字节之比：它少读的那些层省下的时间，抵不过每一遍都有的固定开销。",
+                  "浅的草稿实测的 c 和它的字节之比相差不大：这台机器上每一遍的固定开销不算重。")
 
 
 def predict_sentence(drafts: dict) -> str:
@@ -324,6 +336,8 @@ def glue_drafts(drafts: dict) -> None:
 
     cfg = load_config(next(iter(drafts.values()))["model"])
     claim(all(x["identical"] for x in drafts.values()), "greedy outputs with and without the self-draft are identical")
+    claim(all(x["acceptance_rate"] < 0.5 for x in drafts.values()), "the self-draft's acceptance is low at both depths",
+          acceptance=[x["acceptance_rate"] for x in drafts.values()])
     g("lab_draft_gamma", str(DRAFT_GAMMA))
     g("lab_draft_max_tokens", str(DRAFT_MAX_TOKENS))
     g("lab_num_layers", str(cfg.num_layers))
@@ -332,6 +346,7 @@ def glue_drafts(drafts: dict) -> None:
         for name, words in draft_words(x, cfg).items():
             g(f"lab_draft{i}_{name}", words)
     g("lab_draft_sentence", draft_sentence(drafts))
+    g("lab_cost_sentence", cost_sentence(drafts, cfg))
     g("lab_predict_sentence", predict_sentence(drafts))
     deep = drafts[max(drafts)]
     alpha = break_even_alpha(DRAFT_GAMMA, deep["verify_cost"], deep["draft_cost"])
