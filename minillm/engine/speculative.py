@@ -10,7 +10,8 @@ checked in that same step, a step yields more than one. Two proposers guess them
   first L layers, its final norm and its output layer propose the tokens one at a time. Its layers
   are the target's layers 0..L-1, so it needs no KV cache of its own: it writes their keys and
   values into the request's next slots, which the verify step then overwrites with the same
-  values (and the layers past L with theirs). It runs in the model runner, before the step.
+  values, up to rounding (and the layers past L with theirs). It runs in the model runner, before
+  the step.
 
 The scheduler feeds the request's last token and the proposals as one short chunk (the paged
 prefill path: causal attention over the cache) and the model runner asks :func:`verify` which
