@@ -214,3 +214,40 @@ def test_unreadable_records_and_the_cli_exit_code(tmp_path, capsys):
     assert args.func(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+                                   "prompt_lookup_min": 1},
+                                  {"method": "draft_layers", "num_draft_layers": 1, "num_speculative_tokens": 3}])
+def test_speculation_bills_every_computed_position_and_the_drafts(spec):
+    """One request decoding a repetitive prompt, every step made to last one second: each decode
+    step's bytes are the weights for its tokens and the KV of its true context (prompt + tokens
+    output so far, the rejected proposals not kept) plus the positions it computed. A draft of the first layer adds, per pass j, that layer's
+    and the output layer's weights and that layer's KV. The report names the rejected share."""
+    prompt = [5, 9, 2, 7, 1, 3] * 4
+    llm = LLM(tiny_model(), num_kv_blocks=64, speculative_config=spec)
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    record = records.run_record(llm)
+    steps = record["stats"]["steps"]
+    for i, step in enumerate(steps):
+        step["start"], step["end"] = float(i), float(i + 1)
+    batching = diagnose(record, bandwidth=1e9, peak_flops=1e12).batching
+    kv = ledger.kv_bytes_per_token(CONFIG, "fp32")
+    draft = CONFIG.replace(num_layers=1)
+    expected, generated = [], steps[0]["num_generated"]
+    for step in steps[1:]:  # the decode and verify steps
+        ((_, num_new),) = step["scheduled"]
+        before = len(prompt) + generated - 1
+        nbytes = ledger.matmul_weight_bytes(CONFIG, num_new, "fp32") + (before + num_new) * kv
+        if spec["method"] == "draft_layers":
+            nbytes += sum(ledger.matmul_weight_bytes(draft, 1, "fp32") + (before + j + 1) * kv / 2
+                          for j in range(num_new - 1))
+        expected.append(nbytes)
+        generated += step["num_generated"]
+    assert batching.decode_bytes_per_s == pytest.approx(sum(expected) / len(expected))
+    rejected = record["stats"]["num_draft_tokens"] - record["stats"]["num_accepted_tokens"]
+    assert batching.num_rejected_positions == rejected > 0
+    assert batching.num_computed_positions == len(prompt) + 40 - 1 + rejected
+    assert batching.rejected_share == rejected / batching.num_computed_positions
+    assert f"{rejected:,} of {batching.num_computed_positions:,} computed positions rejected" in \
+        diagnose(record).report()

@@ -86,3 +86,46 @@ def test_open_sentence_follows_what_was_proposed_and_accepted():
     assert "并不比不开慢" in ch11.open_sentence(dict(run, num_draft_tokens=6, speedup=1.0))
     assert "比不开还慢" in ch11.open_sentence(dict(run, num_draft_tokens=6))
     assert "反而变慢" in ch11.open_sentence(dict(run, num_draft_tokens=6, num_accepted_tokens=2))
+
+
+# -- the self-draft ------------------------------------------------------------------------------------
+SMOL = load_config("smollm2-135m")
+
+
+def draft_run(layers, accept, tau, gamma, c, v, speedup):
+    return {"speculative_config": {"num_draft_layers": layers}, "acceptance_rate": accept, "mean_accepted_length": tau,
+            "proposals_per_verify": gamma, "draft_cost": c, "verify_cost": v,
+            "predicted_speedup": tau / (gamma * c + v), "speedup": speedup}
+
+
+def test_the_bytes_ratio_of_a_draft_counts_its_layers_and_the_output_layer():
+    h, vocab, n = SMOL.hidden_size, SMOL.vocab_size, SMOL.num_layers
+    per_layer = (L.matmul_param_count(SMOL) - vocab * h) / n
+    assert ch11.bytes_draft_cost(SMOL, 12) == pytest.approx((12 * per_layer + vocab * h) / (n * per_layer + vocab * h))
+    assert ch11.bytes_draft_cost(SMOL, 12) > 12 / n  # the output layer is read by every draft pass
+    assert ch11.bytes_draft_cost(SMOL, n) == 1.0
+
+
+def test_draft_rows_put_the_measured_cost_beside_the_bytes_ratio():
+    drafts = {12: draft_run(12, 0.05, 1.15, 3.0, 0.6, 1.5, 0.35), 27: draft_run(27, 0.45, 2.1, 3.0, 1.0, 1.6, 0.45)}
+    rows = ch11.draft_rows(drafts, SMOL)
+    assert rows[0] == ["12 / 30", "5%", "1.15", "3.00", "0.60", f"{ch11.bytes_draft_cost(SMOL, 12):.2f}", "1.50",
+                       f"{1.15 / 3.3:.2f}×", "0.35×"]
+    assert rows[1][7] == f"{2.1 / 4.6:.2f}×" and len(rows[1]) == len(ch11.DRAFT_HEADER)
+    assert ch11.draft_sentence(drafts).startswith("两种深度都让解码变慢了：浅的草稿便宜得多")  # 1.0 >= 1.3 x 0.6
+    assert "并不比它便宜多少" in ch11.draft_sentence({12: {**drafts[12], "draft_cost": 0.9}, 27: drafts[27]})
+    assert "并没有" in ch11.draft_sentence({12: drafts[27], 27: drafts[12]})
+    bytes_12 = ch11.bytes_draft_cost(SMOL, 12)
+    assert ch11.cost_sentence(drafts, SMOL).startswith("浅的草稿实测的 c 和它的字节之比相差不大")  # 0.6 < 1.3 x 0.53
+    assert "远高于" in ch11.cost_sentence({12: {**drafts[12], "draft_cost": 1.3 * bytes_12}}, SMOL)
+    assert ch11.draft_sentence({12: drafts[12], 27: {**drafts[27], "speedup": 1.2}}).startswith("至少有一种")
+    assert "不到 15%" in ch11.predict_sentence(drafts)  # 0.348 vs 0.35, 0.457 vs 0.45
+    assert "15% 以上" in ch11.predict_sentence({12: {**drafts[12], "speedup": 0.5}})
+
+
+def test_exercise_4_breaks_even_where_tau_pays_for_the_step():
+    alpha = ch11.break_even_alpha(3, 1.2, 0.3)
+    assert ch11.speedup(alpha, 3, 0.3, 1.2) >= 1 > ch11.speedup(alpha - 0.001, 3, 0.3, 1.2)
+    assert ch11.ex4_sentence(alpha) == f"接受率至少要 {alpha:.0%}，这一步才不比普通解码慢。"
+    assert ch11.break_even_alpha(3, 1.6, 1.0) is None  # γ + 1 = 4 < 3 × 1.0 + 1.6
+    assert ch11.ex4_sentence(None).startswith("没有这样的接受率")

@@ -553,3 +553,27 @@ def test_bench_serve_prints_both_comparisons(tmp_path, capsys):
     assert results["throughput_ratio"] > 0 and len(results["runs"]["ttft_pairs"]) == 3
     for pair in results["runs"]["ttft_pairs"]:  # the client waits at least as long as the engine works
         assert 0 < pair["engine_s"] < pair["server_s"] and pair["offline_s"] > 0
+
+
+def test_spec_decode_metrics_count_accepted_tokens_by_position(tmp_path):
+    """A server drafting with the first of its two layers: /metrics has vLLM's per-position
+    counter, one series per proposal position, never growing along the positions, adding up to
+    the accepted tokens; a greedy answer is the one the server without speculation gives."""
+    (tmp_path / "config.json").write_text(json.dumps(EXACT_CONFIG))
+    spec = {"method": "draft_layers", "num_draft_layers": 1, "num_speculative_tokens": 3}
+    prompt = [5, 9, 2, 7, 1, 3] * 5
+    answers = []
+    for speculative_config in (None, json.dumps(spec)):
+        with serve_in_background(tmp_path, served_model_name="tiny-exact", weights="random", dtype="float64",
+                                 num_kv_blocks=64, block_size=4, speculative_config=speculative_config) as server:
+            answers.append(client_for(server).completions.create(
+                model="tiny-exact", prompt=prompt, max_tokens=32, temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0].token_ids)
+            text = httpx.get(server.url + "/metrics").text
+    per_pos = {s.labels["position"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "minillm:spec_decode_num_accepted_tokens_per_pos_total"}
+    totals = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert answers[0] == answers[1] and len(answers[0]) == 32
+    assert list(per_pos) == ["0", "1", "2"] and list(per_pos.values()) == sorted(per_pos.values(), reverse=True)
+    assert sum(per_pos.values()) == totals["minillm:spec_decode_num_accepted_tokens_total"] > 0
+    assert per_pos["0"] <= totals["minillm:spec_decode_num_drafts_total"]

@@ -1,8 +1,9 @@
-"""Speculative decoding by prompt lookup (minillm.engine.speculative): the proposer and the
-acceptance rule on known token lists, and the engine with speculation on giving the same greedy
-tokens as with it off (float64 on the CPU), in mixed batches with chunked prefill, prefix hits,
-preemption, min_tokens, stop tokens, max_tokens and max_model_len, with the acceptance counted and
-every KV block back in the pool."""
+"""Speculative decoding (minillm.engine.speculative), by prompt lookup and by a draft of the
+target's own first layers: the proposer and the acceptance rule on known token lists, and the
+engine with speculation on giving the same greedy tokens as with it off (float64 on the CPU), in
+mixed batches with chunked prefill, prefix hits, preemption, min_tokens, stop tokens, max_tokens
+and max_model_len, with the acceptance counted (in all and by position) and every KV block back in
+the pool; the draft's KV writes equal the verify step's."""
 import functools
 import json
 import random
@@ -24,6 +25,7 @@ CONFIG = load_config("tiny").replace(name="tiny-test", num_layers=2, hidden_size
                                      intermediate_size=128, num_heads=4, num_kv_heads=2,
                                      head_dim=16, vocab_size=128)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+DRAFT = {"method": "draft_layers", "num_draft_layers": 1, "num_speculative_tokens": 3}  # of CONFIG's 2
 
 
 def proposer(k=3, high=2, low=1):
@@ -206,6 +208,27 @@ def test_metrics_export_the_speculation_counters_under_vllms_names():
     for name, key in (("drafts", "num_drafts"), ("draft_tokens", "num_draft_tokens"),
                       ("accepted_tokens", "num_accepted_tokens")):
         assert values[f"minillm:spec_decode_num_{name}_total"] == stats[key] > 0
+    per_pos = {s.labels["position"]: s.value for f in text_string_to_metric_families(
+        ServerMetrics("m", llm.snapshot()).render().decode()) for s in f.samples
+        if s.name == "minillm:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos == {str(i): n for i, n in enumerate(stats["num_accepted_tokens_per_pos"])}
+    assert len(per_pos) == NGRAM["num_speculative_tokens"]
+
+
+def test_accepted_tokens_are_counted_by_position():
+    """Position i is accepted only after position i - 1 was: the counts never grow along the
+    positions, the first equals the drafts that had any proposal accepted, they add up to the
+    accepted tokens, and the run's counts equal those summed from the step log's requests."""
+    _, stats, requests, llm = generate(NGRAM, [repetitive(s, 5 + s, 30) for s in range(3)],
+                                       [greedy(30, ignore_eos=True)] * 3)
+    per_pos = stats["num_accepted_tokens_per_pos"]
+    assert len(per_pos) == 3 and sum(per_pos) == stats["num_accepted_tokens"] > 0
+    assert per_pos == sorted(per_pos, reverse=True) and per_pos[0] <= stats["num_drafts"]
+    rejected = sum(sum(s["num_rejected"].values()) for s in stats["steps"])
+    assert rejected == stats["num_draft_tokens"] - stats["num_accepted_tokens"] > 0
+    assert llm.snapshot()["num_accepted_tokens_per_pos"] == per_pos  # one run since the start
+    llm.reset_metrics()
+    assert llm.stats()["num_accepted_tokens_per_pos"] == [0, 0, 0]
 
 
 def test_serve_takes_a_speculative_config_as_json():
@@ -217,6 +240,125 @@ def test_serve_takes_a_speculative_config_as_json():
         build_parser().parse_args(["serve", "tiny", "--speculative-config", "{method: ngram}"])
 
 
+# -- the draft of the target's first layers ---------------------------------------------------------
+def test_draft_layers_takes_its_keys_and_refuses_a_separate_model():
+    config = EngineConfig(speculative_config=DRAFT)
+    assert config.speculative_config == SpeculativeConfig("draft_layers", 3, num_draft_layers=1)
+    for bad, message in [({"model": "smollm2-135m", "num_speculative_tokens": 3}, "separate draft model"),
+                         ({"method": "draft_model", "num_speculative_tokens": 3}, "separate draft model"),
+                         ({"method": "draft_layers", "num_speculative_tokens": 3}, "num_draft_layers"),
+                         ({**DRAFT, "num_draft_layers": 0}, "num_draft_layers"),
+                         ({**DRAFT, "prompt_lookup_max": 2}, "unknown keys"),
+                         ({**NGRAM, "num_draft_layers": 1}, "unknown keys")]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(speculative_config=bad)
+
+
+def test_a_draft_of_every_layer_is_refused_before_the_pool_is_allocated():
+    """A pool of 10^9 blocks could not be allocated: the error is the draft's, so it came first."""
+    for layers in (2, 5):
+        with pytest.raises(ValueError, match=r"num_draft_layers must be in \[1, 1\] \(the model has 2"):
+            LLM(tiny_model(), num_kv_blocks=10**9, speculative_config={**DRAFT, "num_draft_layers": layers})
+
+
+def test_draft_layers_greedy_tokens_equal_those_without_in_a_mixed_batch():
+    """Chunked prefill (budget 16), a shared prefix, a sampled request beside the greedy ones,
+    min_tokens with EOS live, max_tokens; then a pool too small (preemption by recompute and by
+    swap) with max_model_len ending the requests mid-proposal."""
+    base = repetitive(1, 7, 30)
+    prompts = [base, repetitive(2, 5, 21), base + repetitive(3, 4, 9), base[:13]]
+    params = [greedy(40, ignore_eos=True), SamplingParams(temperature=0.8, max_tokens=24, seed=5, ignore_eos=True),
+              greedy(30, min_tokens=25), greedy(19, ignore_eos=True)]
+    off, _, _, _ = generate(None, prompts, params)
+    on, stats, requests, llm = generate(DRAFT, prompts, params)
+    assert on[:1] + on[2:] == off[:1] + off[2:] and len(on[1]) == 24
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    assert stats["prefix_hit_tokens"] > 0 and stats["generation_tokens"] == sum(map(len, on))
+    assert sum(r.num_draft_tokens for r in requests.values()) == stats["num_draft_tokens"]
+    assert_all_blocks_back(llm)
+    for mode in ("recompute", "swap"):
+        args = {"num_kv_blocks": 24, "preemption_mode": mode, "max_model_len": 44}
+        prompts = [repetitive(s, 5 + s, 18 + 3 * s) for s in range(4)]
+        off, _, _, _ = generate(None, prompts, [greedy(30, ignore_eos=True)] * 4, **args)
+        on, stats, _, llm = generate(DRAFT, prompts, [greedy(30, ignore_eos=True)] * 4, **args)
+        assert on == off and stats["num_preemptions"] > 0 and stats["num_accepted_tokens"] > 0
+        assert_all_blocks_back(llm)
+
+
+def test_the_drafts_kv_writes_are_the_ones_the_verify_step_makes():
+    """The draft writes layer 0's keys and values at the slots it drafts; the verify step writes
+    the same values there, to within float64 rounding (one position at a time against several:
+    the matmuls sum in another order), and the other layers' too: the draft needs no cache of
+    its own."""
+    engine = LLM(tiny_model(), num_kv_blocks=64, block_size=4, speculative_config=DRAFT)
+    engine.add_request("a", repetitive(1, 7, 30), greedy(20, ignore_eos=True))
+    compared = 0
+    while engine.has_unfinished():
+        out = engine.scheduler.schedule()
+        drafted = [r for r, _ in out.scheduled if r.num_spec_tokens]
+        if drafted:
+            (request,) = drafted
+            engine.runner.draft.propose(drafted, {})
+            blocks, offsets = zip(*(position_slot(engine.kv_cache, request, p) for p in
+                                    range(request.num_tokens - 1, request.num_tokens - 1 + request.num_spec_tokens)))
+            draft_kv = engine.kv_cache.kv[0][:, list(blocks), list(offsets)].clone()
+            request.spec_token_ids = []  # the step drafts them again, the same way
+            sampled = engine.runner.execute(out)
+            verify_kv = engine.kv_cache.kv[0][:, list(blocks), list(offsets)]
+            assert torch.allclose(verify_kv, draft_kv, rtol=0, atol=1e-12) and draft_kv.abs().max() > 0
+            compared += len(blocks)
+        else:
+            sampled = engine.runner.execute(out)
+        engine.scheduler.update(out, sampled)
+    assert compared >= 10
+
+
+def position_slot(cache, request, position):
+    """(block, offset) of a request's position in the paged cache."""
+    return cache.manager.block_table(request.request_id)[position // cache.block_size], position % cache.block_size
+
+
+def test_draft_probabilities_are_the_q_of_the_rejection_sampler():
+    """20,000 verify steps of one proposal drawn from q over a 4-token vocabulary: the first token
+    follows p (chi-square p-value above 1e-3), and the proposal is accepted at the rate
+    sum(min(p, q)) (within 0.02)."""
+    p = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    q = torch.tensor([[0.1, 0.6, 0.1, 0.2]], dtype=torch.float64)
+    generator, draws = torch.Generator().manual_seed(0), 20_000
+    outs = []
+    for _ in range(draws):
+        x = int(torch.multinomial(q[0], 1, generator=generator))
+        outs.append(accept_sampled([x], p, generator, q))
+    firsts = [o[0] for o in outs]
+    counts = {t: firsts.count(t) for t in range(4)}
+    assert chi_square_p_value(counts, {t: draws * float(p[0, t]) for t in range(4)}) > 1e-3, counts
+    accepted = sum(len(o) == 2 for o in outs) / draws
+    assert abs(accepted - float(torch.minimum(p[0], q[0]).sum())) < 0.02
+
+
+def test_draft_layers_sampled_tokens_follow_the_targets_distribution():
+    """3000 seeded requests at temperature 1.5, top_k 3, each drafting with the first layer: the
+    (first, second) token pairs against the target's exact joint distribution (9 cells, chi-square
+    p-value above 1e-3); the drafts were both accepted and rejected."""
+    samples, params = 3000, SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True)
+    prompt = repetitive(3, 7, 40)
+    seeded = [SamplingParams(**{**vars(params), "seed": seed}) for seed in range(samples)]
+    on, stats, _, llm = generate(DRAFT, [prompt] * samples, seeded, num_kv_blocks=3000,
+                                 max_num_batched_tokens=2048)
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    first = target_probs(params, prompt)
+    expected = {}
+    for t1 in first.nonzero().flatten().tolist():
+        second = target_probs(params, prompt + [t1])
+        for t2 in second.nonzero().flatten().tolist():
+            expected[t1, t2] = samples * float(first[t1] * second[t2])
+    counts = {cell: 0 for cell in expected}
+    for tokens in on:
+        counts[tokens[0], tokens[1]] += 1
+    assert len(expected) == 9 and chi_square_p_value(counts, expected) > 1e-3, (counts, expected)
+    assert_all_blocks_back(llm)
+
+
 # -- the real model --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2():
@@ -226,21 +368,23 @@ def smollm2():
 def test_smollm2_greedy_tokens_with_speculation_equal_those_without(smollm2):
     """Chats that ask for text the answer repeats (n-gram proposals hit), with one open question, in
     one batch: their prompts cut in chunks of the 64-token budget, their shared system prompt a
-    prefix-cache hit."""
+    prefix-cache hit. By prompt lookup and by a draft of the first 24 of the 30 layers."""
     chats = ["Repeat this sentence three times: the cache keeps the keys and values of every token.",
              "Copy this list exactly: red apple, green pear, red apple, green pear, yellow plum.",
              "What is a GPU good at?"]
     params = [greedy(40), greedy(36), greedy(24)]
     results = []
-    for spec in (None, NGRAM):
+    draft = {"method": "draft_layers", "num_draft_layers": 24, "num_speculative_tokens": 3}
+    for spec in (None, NGRAM, draft):
         llm = LLM(smollm2, num_kv_blocks=64, max_num_batched_tokens=64, speculative_config=spec)
         prompts = [llm.chat_prompt_ids([{"role": "user", "content": c}]) for c in chats]
         results.append(([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)], llm.stats()))
         assert_all_blocks_back(llm)
-    (off, off_stats), (on, stats) = results
-    assert on == off
-    assert stats["num_accepted_tokens"] > 0 and stats["num_steps"] < off_stats["num_steps"]
-    assert stats["prefix_hit_tokens"] > 0 and max(s["num_prefill_tokens"] for s in stats["steps"]) == 64
+    (off, off_stats), *with_spec = results
+    for on, stats in with_spec:
+        assert on == off
+        assert stats["num_accepted_tokens"] > 0 and stats["num_steps"] < off_stats["num_steps"]
+        assert stats["prefix_hit_tokens"] > 0 and max(s["num_prefill_tokens"] for s in stats["steps"]) == 64
 
 
 def test_min_tokens_holds_at_every_proposed_position():
@@ -275,6 +419,22 @@ def test_bench_speculative_prints_its_ratios_as_one_json_object(capsys):
     assert 0 < result["num_accepted_tokens"] <= result["num_draft_tokens"]
     assert result["acceptance_rate"] == result["num_accepted_tokens"] / result["num_draft_tokens"]
     assert 1 < result["mean_accepted_length"] <= 1 + result["speculative_config"]["num_speculative_tokens"]
+
+
+def test_bench_speculative_prices_a_draft_of_the_first_layers(capsys):
+    from minillm.__main__ import main
+
+    assert main(["bench", "speculative", "--method", "draft_layers", "--draft-layers", "20", "--max-tokens", "10",
+                 "--repeats", "1", "--device", "cpu", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["identical"] and r["speculative_config"]["num_draft_layers"] == 20
+    assert 0 < r["draft_cost"] == r["draft_pass_s"] / r["target_step_s"]
+    assert r["verify_cost"] == r["verify_step_s"] / r["target_step_s"] > 0
+    assert r["predicted_speedup"] == pytest.approx(
+        r["mean_accepted_length"] / (r["proposals_per_verify"] * r["draft_cost"] + r["verify_cost"]))
+    assert 1 <= r["proposals_per_verify"] <= 4
+    assert main(["bench", "speculative", "--method", "draft_layers", "--device", "cpu"]) != 0  # no --draft-layers
+    assert "num_draft_layers'] must be a positive int" in capsys.readouterr().err
 
 
 def test_bench_speculative_prompts_by_task():

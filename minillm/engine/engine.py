@@ -42,6 +42,8 @@ class LLMEngine:
         config = EngineConfig(**engine_args)
         _check_device(config, device)
         self.model = _load(model, device, dtype, weights, config)
+        if config.speculative_config is not None:  # before the pool is planned or allocated
+            config.speculative_config.check_model(self.model.config.num_layers)
         self.tokenizer = getattr(self.model, "tokenizer", None)
         self.memory_plan = plan(self.model, engine_config=config) if config.num_kv_blocks is None else None
         model_config, kv_dtype = self.model.config, kv_storage_dtype(config.kv_cache_dtype, self.model.dtype)
@@ -53,7 +55,7 @@ class LLMEngine:
             max_model_len=config.max_model_len, num_cpu_blocks=config.num_cpu_blocks)
         self.scheduler = SCHEDULERS[config.scheduling](self.kv_cache, config, model_config.eos_token_ids)
         self.runner = ModelRunner(self.model, self.kv_cache, self.config)
-        self.recorder = Recorder(log_limit)
+        self.recorder = Recorder(log_limit, self.scheduler.num_speculative_tokens)
         self._t0 = time.perf_counter()
         self._next_id = 0
         self._aborted: list[RequestOutput] = []  # reported by the next step()

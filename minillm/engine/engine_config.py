@@ -20,7 +20,7 @@ QUANTIZATIONS = (None, "int8", "int4")  # weight-only (minillm.engine.quantizati
 GROUP_SIZES = (32, 128)  # int4's groups along the input dimension
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the model's dtype; "fp8": e4m3, one byte per element
 SWAP_SPACE_BYTES = 4 * GiB  # default CPU pool for swap preemption (vLLM's swap_space default)
-SPECULATIVE_METHODS = ("ngram",)  # prompt lookup: no draft model
+SPECULATIVE_METHODS = ("ngram", "draft_layers")  # prompt lookup; the target's own first layers as the draft
 
 
 def check_positive_int(name: str, value) -> None:
@@ -41,31 +41,48 @@ def check_choice(name: str, value, choices: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding by prompt lookup (vLLM's ``speculative_config`` keys): up to
-    ``num_speculative_tokens`` tokens are proposed by matching the last n tokens of a request, n from
-    ``prompt_lookup_max`` down to ``prompt_lookup_min``, against its earlier tokens. A missing
-    lookup size takes the other's value; both missing: 5 and 5 (vLLM's defaults)."""
+    """Speculative decoding (vLLM's ``speculative_config`` keys): up to ``num_speculative_tokens``
+    tokens proposed per request and step, by one of two methods.
+
+    ``"ngram"``, prompt lookup: the last n tokens of a request, n from ``prompt_lookup_max`` down to
+    ``prompt_lookup_min``, are matched against its earlier tokens. A missing lookup size takes the
+    other's value; both missing: 5 and 5 (vLLM's defaults).
+    ``"draft_layers"``, self-speculation: the target's first ``num_draft_layers`` layers, its final
+    norm and its output layer are the draft (checked against the model when it is loaded).
+    A separate draft model (vLLM's ``"model"`` key) is refused: it would need a KV cache of its own."""
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_max: int
-    prompt_lookup_min: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    num_draft_layers: int | None = None
 
     @classmethod
     def from_dict(cls, settings) -> "SpeculativeConfig":
         """``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
-        "prompt_lookup_min": m}`` (a ``SpeculativeConfig`` passes as it is); ``ValueError`` else."""
+        "prompt_lookup_min": m}`` or ``{"method": "draft_layers", "num_speculative_tokens": k,
+        "num_draft_layers": L}`` (a ``SpeculativeConfig`` passes as it is); ``ValueError`` else."""
         if isinstance(settings, cls):
             return settings
         if not isinstance(settings, dict):
             raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', "
                              f"'num_speculative_tokens': 3}}, got {settings!r}")
-        unknown = set(settings) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
+        if "model" in settings or settings.get("method") == "draft_model":
+            raise ValueError("speculative_config: a separate draft model ('model') is not supported "
+                             "(it would need a KV cache of its own); the draft can be the target's "
+                             "own first layers: {'method': 'draft_layers', 'num_draft_layers': L, "
+                             "'num_speculative_tokens': k}, or prompt lookup: {'method': 'ngram', ...}")
         check_choice("speculative_config['method']", settings.get("method"), SPECULATIVE_METHODS)
+        method = settings["method"]
+        keys = ({"prompt_lookup_max", "prompt_lookup_min"} if method == "ngram" else {"num_draft_layers"})
+        unknown = set(settings) - {"method", "num_speculative_tokens"} - keys
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for method {method!r}")
         check_positive_int("speculative_config['num_speculative_tokens']",
                            settings.get("num_speculative_tokens"))
+        if method == "draft_layers":
+            check_positive_int("speculative_config['num_draft_layers']", settings.get("num_draft_layers"))
+            return cls(method, settings["num_speculative_tokens"], num_draft_layers=settings["num_draft_layers"])
         high, low = settings.get("prompt_lookup_max"), settings.get("prompt_lookup_min")
         if high is None and low is None:
             high = low = 5
@@ -74,7 +91,13 @@ class SpeculativeConfig:
         check_positive_int("speculative_config['prompt_lookup_min']", low)
         if low > high:
             raise ValueError(f"speculative_config: prompt_lookup_min={low} exceeds prompt_lookup_max={high}")
-        return cls(settings["method"], settings["num_speculative_tokens"], high, low)
+        return cls(method, settings["num_speculative_tokens"], high, low)
+
+    def check_model(self, num_layers: int) -> None:
+        """A draft of the target's first layers must leave at least one layer out."""
+        if self.method == "draft_layers" and not 1 <= self.num_draft_layers <= num_layers - 1:
+            raise ValueError(f"speculative_config: num_draft_layers must be in [1, {num_layers - 1}] "
+                             f"(the model has {num_layers} layers), got {self.num_draft_layers}")
 
 
 @dataclass(frozen=True)
@@ -99,7 +122,7 @@ class EngineConfig:
     quantization: str | None = None  # "int8" or "int4": weight-only, applied when the model is loaded
     group_size: int = 32  # int4's group along the input dimension (32 or 128)
     kv_cache_dtype: str = "auto"  # "fp8": the paged cache holds e4m3 keys and values (vLLM's name)
-    speculative_config: SpeculativeConfig | None = None  # a dict of vLLM's keys turns on prompt lookup
+    speculative_config: SpeculativeConfig | None = None  # a dict of vLLM's keys turns speculation on
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

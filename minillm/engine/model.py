@@ -257,12 +257,14 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` of the flat batch ``input_ids`` [T] at ``positions`` [T]."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of the flat batch ``input_ids`` [T] at ``positions`` [T];
+        ``num_layers``: through the first layers only (then the final norm), a draft of the model."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         backend = default_backend(x)
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+        layers = self.model.layers[:num_layers]
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches[:len(layers)], strict=True):
             x = layer(x, cos, sin, attn, k_cache, v_cache, backend)
         return self.model.norm(x)
 

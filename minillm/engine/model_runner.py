@@ -5,8 +5,9 @@ cache for the step's input ids, positions and attention metadata (one host-to-de
 the flat batch through the model (a decode step replays a CUDA graph) and samples the next token of
 every request whose tokens are now all computed (its stop tokens masked while it is short of
 ``min_tokens``): one device-to-host copy. A request with proposed tokens (speculative decoding)
-feeds them after its last token; :func:`~minillm.engine.speculative.verify` turns the logits at
-its positions into the tokens it keeps.
+feeds them after its last token (a draft of the model's first layers drafts them first, on the
+same cache); :func:`~minillm.engine.speculative.verify` turns the logits at its positions into the
+tokens it keeps.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from minillm.engine.request import Request
 from minillm.engine.quantization import warmup_quantized
 from minillm.engine.sampling import make_generator, mask_early_stops, sample
 from minillm.engine.scheduler import SchedulerOutput
-from minillm.engine.speculative import verify
+from minillm.engine.speculative import LayerDraft, verify
 
 
 class ModelRunner:
@@ -46,6 +47,9 @@ class ModelRunner:
         if sizes is None:
             sizes = graph_sizes(config.max_num_seqs) if self.device.type == "cuda" and not moe_on_cuda else []
         self.decode_graphs = DecodeGraphs(model, kv_cache, [] if config.enforce_eager else list(sizes))
+        spec = config.speculative_config
+        self.draft = LayerDraft(model, kv_cache, spec) if spec is not None and spec.method == "draft_layers" else None
+        self.draft_probs: dict[str, torch.Tensor] = {}  # this step's q rows of the drawn drafts
 
     def add_generator(self, request_id: str, seed: int | None) -> None:
         generator = make_generator(seed, self.device)
@@ -61,6 +65,9 @@ class ModelRunner:
         tokens are now all computed (a finished prompt or a decode): its next token, or with
         proposed tokens those of them the target accepts and one more."""
         self.kv.swap(output.blocks_to_swap_out, output.blocks_to_swap_in)
+        if self.draft is not None and output.num_draft_tokens:
+            self.draft_probs = self.draft.propose([r for r, _ in output.scheduled if r.num_spec_tokens],
+                                                  self.generators)
         batch, input_ids, last_rows, sampled_requests = [], [], [], []
         for request, num_new in output.scheduled:
             start, proposed = request.num_computed_tokens, request.spec_token_ids
@@ -99,8 +106,9 @@ class ModelRunner:
         for request in requests:
             proposed = request.spec_token_ids
             if proposed:
-                out[request.request_id] = verify(proposed, logits[row:row + len(proposed) + 1],
-                                                 request.params, self.generators.get(request.request_id))
+                out[request.request_id] = verify(proposed, logits[row:row + len(proposed) + 1], request.params,
+                                                 self.generators.get(request.request_id),
+                                                 self.draft_probs.get(request.request_id))
             else:
                 plain.append(request)
                 plain_rows.append(row)

@@ -6,7 +6,8 @@ timestamps on each request's ``RequestMetrics`` and counts (vLLM's meanings): pr
 tokens (each request's prompt once, at its first token, prefix hits included), prefill tokens
 computed (recomputation included), generated tokens, prefix-cache queries and hits, steps and
 finished requests by reason, and for speculative decoding the drafts (requests given proposals in
-a step), the proposed tokens and the accepted ones (vLLM's ``spec_decode_num_*``). The counters
+a step), the proposed tokens and the accepted ones, in all and by position (the i-th proposal of
+a request, vLLM's ``spec_decode_num_*`` and ``num_accepted_tokens_per_pos``). The counters
 run from the engine's start and are never reset (``totals``: what ``LLMEngine.snapshot`` and the
 server's ``/metrics`` read); a run is a window on them (:meth:`reset` marks where it starts,
 :meth:`counters` is the difference). Requests keep their own counts (``num_cached_tokens``,
@@ -29,11 +30,13 @@ COUNTERS = ("num_steps", "num_preemptions", "prefix_query_tokens", "prefix_hit_t
 
 class Recorder:
     """The step log, the finished requests and the counters. ``log_limit``: steps and finished
-    requests kept (the most recent; None: all), so that a server running for weeks stays small."""
+    requests kept (the most recent; None: all), so that a server running for weeks stays small.
+    ``num_speculative_tokens``: the positions ``num_accepted_tokens_per_pos`` counts (0: none)."""
 
-    def __init__(self, log_limit: int | None = None):
+    def __init__(self, log_limit: int | None = None, num_speculative_tokens: int = 0):
         self.log_limit = log_limit
         self.totals = dict.fromkeys(COUNTERS, 0)  # since the engine was built
+        self.totals["num_accepted_tokens_per_pos"] = [0] * num_speculative_tokens
         self.reset()
 
     def reset(self) -> None:
@@ -65,6 +68,10 @@ class Recorder:
         totals["num_drafts"] += output.num_drafts
         totals["num_draft_tokens"] += output.num_draft_tokens
         totals["num_accepted_tokens"] += output.num_accepted_tokens
+        if output.num_drafts:  # a new list: a snapshot taken before keeps its own
+            totals["num_accepted_tokens_per_pos"] = [
+                total + count for total, count in zip(totals["num_accepted_tokens_per_pos"],
+                                                      output.num_accepted_tokens_per_pos, strict=True)]
         self.steps.append({
             "step": totals["num_steps"] - self._run_start["num_steps"] - 1, "start": start, "end": end,
             "scheduled": [[r.request_id, n] for r, n in output.scheduled],
@@ -75,6 +82,7 @@ class Recorder:
             "num_generated": num_generated,  # tokens they got (more than one with accepted proposals)
             "num_draft_tokens": output.num_draft_tokens,
             "num_accepted_tokens": output.num_accepted_tokens,
+            "num_rejected": dict(output.num_rejected),  # request_id -> computed positions given back
             "preempted": [r.request_id for r in output.preempted],
             "num_swapped_blocks": len(output.blocks_to_swap_out) + len(output.blocks_to_swap_in),
             "num_cached_tokens": output.num_cached_tokens,
@@ -93,4 +101,7 @@ class Recorder:
 
     def counters(self) -> dict:
         """This run's counters: the totals since :meth:`reset`."""
-        return {name: self.totals[name] - self._run_start[name] for name in COUNTERS}
+        per_pos = [now - start for now, start in zip(self.totals["num_accepted_tokens_per_pos"],
+                                                     self._run_start["num_accepted_tokens_per_pos"])]
+        return {**{name: self.totals[name] - self._run_start[name] for name in COUNTERS},
+                "num_accepted_tokens_per_pos": per_pos}

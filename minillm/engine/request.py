@@ -101,7 +101,9 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at its first admission (vLLM's name)
     num_preemptions: int = 0
-    spec_token_ids: list[int] = field(default_factory=list)  # proposed tokens this step verifies (vLLM's name)
+    num_spec_tokens: int = 0  # proposed tokens this step verifies (the scheduler decides how many)
+    spec_token_ids: list[int] = field(default_factory=list)  # those tokens (vLLM's name); a draft model's
+    # are filled in by the model runner when the step runs
     num_draft_tokens: int = 0  # tokens proposed for it so far (speculative decoding)
     num_accepted_tokens: int = 0  # of those, accepted by the target
     metrics: RequestMetrics = field(init=False)

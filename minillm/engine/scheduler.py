@@ -18,7 +18,7 @@ runs to completion, and only then is the next batch taken.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 
 from minillm.engine.engine_config import EngineConfig
@@ -38,7 +38,9 @@ class SchedulerOutput:
     (cpu_block, gpu_block) pairs back to the GPU, then runs the forward pass. The counts are this
     step's decisions; whoever keeps run totals sums them. ``num_draft_tokens``: proposed tokens
     verified this step (each request's are in its ``spec_token_ids``), for ``num_drafts`` requests;
-    :meth:`Scheduler.update` fills in ``num_accepted_tokens``, how many the target accepted.
+    :meth:`Scheduler.update` fills in ``num_accepted_tokens``, how many the target accepted,
+    ``num_accepted_tokens_per_pos``, how often the i-th proposal of a request was accepted, and
+    ``num_rejected``: request_id -> its positions computed this step whose KV was given back.
     """
 
     scheduled: list[tuple[Request, int]]
@@ -55,6 +57,8 @@ class SchedulerOutput:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_rejected: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -81,7 +85,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request
         spec = config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.num_speculative_tokens = 0 if spec is None else spec.num_speculative_tokens
+        self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
 
     # -- requests in and out ---------------------------------------------------------------------
     def check_request(self, request_id: str, num_prompt_tokens: int) -> None:
@@ -149,8 +154,8 @@ class Scheduler:
             if num_new == 0:  # a long recompute that waits for a fuller budget
                 index += 1
                 continue
-            request.spec_token_ids = self._propose(request, budget)
-            num_new += len(request.spec_token_ids)
+            self._propose(request, budget)
+            num_new += request.num_spec_tokens
             while not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 preempted.append(victim)
@@ -159,9 +164,9 @@ class Scheduler:
                     break
             else:
                 scheduled.append((request, num_new))
-                num_decode += _is_decode(request, num_new - len(request.spec_token_ids))
-                num_drafts += bool(request.spec_token_ids)
-                num_draft += len(request.spec_token_ids)
+                num_decode += _is_decode(request, num_new - request.num_spec_tokens)
+                num_drafts += bool(request.num_spec_tokens)
+                num_draft += request.num_spec_tokens
                 budget -= num_new
                 index += 1
 
@@ -198,20 +203,25 @@ class Scheduler:
         num_batched = sum(n for _, n in scheduled)
         return SchedulerOutput(scheduled, num_batched - num_decode - num_draft, num_decode, preempted,
                                swap_out, swap_in, queries, cached_total, stop if self.waiting else None,
-                               len(self.running), len(self.waiting), num_drafts, num_draft)
+                               len(self.running), len(self.waiting), num_drafts, num_draft,
+                               num_accepted_tokens_per_pos=[0] * self.num_speculative_tokens)
 
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """The tokens to verify with a request's next one: as many as the proposer finds,
-        within the budget, ``max_tokens`` and ``max_model_len``, and only if the pool has room for
-        them without preempting anyone ([] otherwise, and without speculation)."""
-        if self.proposer is None or not request.output_token_ids or request.num_uncomputed_tokens != 1:
-            return []
-        room = min(budget, request.params.max_tokens - len(request.output_token_ids),
-                   self.config.max_model_len - request.num_tokens) - 1
-        proposed = self.proposer.propose(request.all_token_ids, room)
-        if proposed and not self.kv.allocate(request.request_id, request.num_tokens + len(proposed)):
-            return []
-        return proposed
+    def _propose(self, request: Request, budget: int) -> None:
+        """How many tokens to verify with a request's next one (``request.num_spec_tokens``):
+        ``num_speculative_tokens`` within the budget, ``max_tokens`` and ``max_model_len``; with
+        prompt lookup as many as it finds (``request.spec_token_ids``), the draft model's are
+        drafted when the step runs. Only if the pool has room for them without preempting anyone
+        (0 otherwise, and without speculation)."""
+        request.num_spec_tokens, request.spec_token_ids = 0, []
+        if not self.num_speculative_tokens or not request.output_token_ids or request.num_uncomputed_tokens != 1:
+            return
+        room = min(self.num_speculative_tokens, budget - 1,
+                   request.params.max_tokens - len(request.output_token_ids) - 1,
+                   self.config.max_model_len - request.num_tokens - 1)
+        proposed = self.proposer.propose(request.all_token_ids, room) if self.proposer else []
+        count = len(proposed) if self.proposer else max(room, 0)
+        if count and self.kv.allocate(request.request_id, request.num_tokens + count):
+            request.num_spec_tokens, request.spec_token_ids = count, proposed
 
     def _admission_blocked(self, budget: int, preempted: list[Request]) -> str | None:
         """Why the head of the waiting queue cannot be admitted this step, before looking at it."""
@@ -265,12 +275,16 @@ class Scheduler:
         for request, num_new in output.scheduled:
             before = request.num_computed_tokens
             tokens = sampled.get(request.request_id, [])
-            proposed, request.spec_token_ids = request.spec_token_ids, []
+            proposed, request.spec_token_ids, request.num_spec_tokens = request.spec_token_ids, [], 0
             if proposed:
-                num_new -= len(proposed) + 1 - len(tokens)  # the rejected ones' KV is not kept
+                accepted = len(tokens) - 1
+                num_new -= len(proposed) - accepted  # the rejected ones' KV is not kept
                 request.num_draft_tokens += len(proposed)
-                request.num_accepted_tokens += len(tokens) - 1
-                output.num_accepted_tokens += len(tokens) - 1
+                request.num_accepted_tokens += accepted
+                output.num_accepted_tokens += accepted
+                output.num_rejected[request.request_id] = len(proposed) - accepted
+                for position in range(accepted):
+                    output.num_accepted_tokens_per_pos[position] += 1
             reason = None
             for kept, token in enumerate(tokens, 1):
                 request.output_token_ids.append(token)

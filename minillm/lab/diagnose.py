@@ -111,6 +111,13 @@ class Batching:
     prefill_flops_per_s: float | None  # FLOPs of steps that carried prompt tokens / their duration
     bandwidth: float | None  # the ceilings compared against (spec row or caller's), B/s
     peak_flops: float | None  # FLOP/s
+    num_computed_positions: int = 0  # token positions the steps ran through the model (proposals included)
+    num_rejected_positions: int = 0  # of those, proposals the target rejected: computed, never output
+
+    @property
+    def rejected_share(self) -> float:
+        """Share of the computed positions that speculation threw away."""
+        return self.num_rejected_positions / self.num_computed_positions if self.num_computed_positions else 0.0
 
     @property
     def kv_blocked_share(self) -> float:
@@ -188,6 +195,9 @@ class Diagnosis:
         if bat.prefill_flops_per_s is not None:
             mfu = f" = {bat.mfu:.0%} of {bat.peak_flops / 1e12:,.3f} TFLOP/s (MFU)" if bat.mfu is not None else ""
             lines.append(f"   prompt steps computed {bat.prefill_flops_per_s / 1e12:,.3f} TFLOP/s{mfu}")
+        if bat.num_rejected_positions:
+            lines.append(f"   speculation: {bat.num_rejected_positions:,} of {bat.num_computed_positions:,} "
+                         f"computed positions rejected ({bat.rejected_share:.0%} of the work thrown away)")
         lines += ["", f"Wall: {self.wall} ({_WALL_TEXT[self.wall]})"]
         lines += [f"   - {line}" for line in self.evidence]
         return "\n".join(lines)
@@ -308,7 +318,9 @@ def _batching(record: dict, cfg: ModelConfig, bandwidth, peak_flops) -> Batching
         mean_queueing=statistics.fmean(r["queueing"] for r in queued) if queued else None,
         waited_steps=waited, prefill_time_share=prefill_time / busy if busy > 0 else 0.0,
         compute_bound_share=compute_share, decode_bytes_per_s=_rate(decode), prefill_flops_per_s=_rate(prefill),
-        bandwidth=bandwidth, peak_flops=peak_flops)
+        bandwidth=bandwidth, peak_flops=peak_flops,
+        num_computed_positions=sum(n for s in steps for _, n in s["scheduled"]),
+        num_rejected_positions=sum(sum(s.get("num_rejected", {}).values()) for s in steps))
 
 
 def _rate(work: list[tuple[float, float]]) -> float | None:
@@ -319,16 +331,22 @@ def _rate(work: list[tuple[float, float]]) -> float | None:
 
 def _step_ledgers(record: dict, cfg: ModelConfig) -> list[tuple[float, float]]:
     """(FLOPs, bytes) of every step by the ledger: the layers for each scheduled token, causal
-    attention to its context, the output layer for each sampled token; the matmul weights read
-    once (of an MoE model, the experts the step's tokens are expected to touch; the input
-    embedding is a lookup of a few rows, not a read of the table) and the KV of every scheduled
-    request's context read or written. Contexts are replayed from the step log: a
-    request's context grows by its scheduled tokens and restarts at 0 when it is preempted by
-    recompute."""
+    attention to its context, the output layer for each sampled row (a request verifying k
+    proposals samples k + 1); the matmul weights read once (of an MoE model, the experts the
+    step's tokens are expected to touch; the input embedding is a lookup of a few rows, not a read
+    of the table) and the KV of every scheduled request's context read or written. Rejected
+    proposals are billed like the others: they were computed. With a draft of the first L layers
+    (``speculative_config`` method ``draft_layers``) the step also ran its passes: pass j over
+    the requests with more than j proposals, each reading the first L layers' and the output
+    layer's weights and L layers of the KV. Contexts are replayed from the step log: a request's
+    context grows by its scheduled tokens less its rejected ones and restarts at 0 when it is
+    preempted by recompute."""
     engine, memory = record["engine"], record["memory"]
     kv_per_token = memory["kv_bytes_per_block"] / engine["block_size"]
     layer_flops = ledger.matmul_flops_per_token(cfg) - ledger.output_layer_flops(cfg)
     attention_per_position = ledger.attention_flops_per_token(cfg, 1)
+    spec = engine.get("speculative_config") or {}
+    draft = cfg.replace(num_layers=spec["num_draft_layers"]) if spec.get("method") == "draft_layers" else None
     computed: dict[str, int] = {}
     out = []
     for step in record["stats"]["steps"]:
@@ -336,17 +354,41 @@ def _step_ledgers(record: dict, cfg: ModelConfig) -> list[tuple[float, float]]:
             for request_id in step["preempted"]:
                 computed[request_id] = 0
         kv_tokens = 0
-        flops = step["num_sampled"] * ledger.output_layer_flops(cfg)  # logits only where sampled
+        rows = step["num_sampled"] + step.get("num_draft_tokens", 0)
+        flops = rows * ledger.output_layer_flops(cfg)  # logits only where sampled
+        rejected = step.get("num_rejected", {})
         for request_id, num_new in step["scheduled"]:
             before = computed.get(request_id, 0)
-            computed[request_id] = before + num_new
+            computed[request_id] = before + num_new - rejected.get(request_id, 0)
             kv_tokens += before + num_new
             # new token j attends to before + j + 1 positions
             flops += num_new * layer_flops + attention_per_position * (num_new * before + num_new * (num_new + 1) // 2)
         tokens = sum(num_new for _, num_new in step["scheduled"])
-        weights = ledger.matmul_weight_bytes(cfg, max(tokens, 1), record["dtype"])
-        out.append((flops, weights + kv_tokens * kv_per_token))
+        nbytes = ledger.matmul_weight_bytes(cfg, max(tokens, 1), record["dtype"]) + kv_tokens * kv_per_token
+        if draft is not None and rejected:
+            draft_flops, draft_bytes = _draft_ledger(draft, step, computed, rejected, kv_per_token * draft.num_layers
+                                                     / cfg.num_layers, record["dtype"])
+            flops, nbytes = flops + draft_flops, nbytes + draft_bytes
+        out.append((flops, nbytes))
     return out
+
+
+def _draft_ledger(draft: ModelConfig, step: dict, computed: dict, rejected: dict, kv_per_token: float,
+                  dtype) -> tuple[float, float]:
+    """(FLOPs, bytes) of a step's draft passes: ``draft``, the model cut to the draft's layers;
+    a verifying request drafted its scheduled tokens less one, from the context before the step
+    (``computed`` is already past it); ``kv_per_token``, the draft layers' share."""
+    drafts = []  # (context before the step, proposals) per verifying request
+    for request_id, num_new in step["scheduled"]:
+        if request_id in rejected:
+            drafts.append((computed[request_id] - num_new + rejected[request_id], num_new - 1))
+    flops = nbytes = 0.0
+    for j in range(max(k for _, k in drafts)):
+        active = [ctx for ctx, k in drafts if k > j]
+        flops += sum(ledger.matmul_flops_per_token(draft) + ledger.attention_flops_per_token(draft, ctx + j + 1)
+                     for ctx in active)
+        nbytes += ledger.matmul_weight_bytes(draft, len(active), dtype) + sum(ctx + j + 1 for ctx in active) * kv_per_token
+    return flops, nbytes
 
 
 # --- The verdict ---------------------------------------------------------------------------------

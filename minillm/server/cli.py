@@ -44,7 +44,8 @@ def add_cli(subparsers) -> None:
     add_quantization_options(cmd)
     cmd.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
                      help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", '
-                          '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\'')
+                          '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\' or \'{"method": '
+                          '"draft_layers", "num_draft_layers": 20, "num_speculative_tokens": 3}\'')
     cmd.add_argument("--served-model-name", help="the name clients ask for (default: MODEL as given)")
     cmd.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     cmd.add_argument("--max-queue", type=int, default=MAX_QUEUE,

@@ -7,7 +7,9 @@ a dashboard or the load generator reads minillm and vLLM alike:
   ``kv_cache_usage_perc`` (share of KV blocks held);
 - counters since the server started: ``num_preemptions``, ``prompt_tokens`` (each request's prompt
   once, prefix hits included, as vLLM V1 counts it; recomputation after a preemption is not
-  counted again), ``generation_tokens``, ``prefix_cache_queries`` and ``prefix_cache_hits`` (in
+  counted again), ``generation_tokens``, the speculative decoding counters ``spec_decode_num_drafts``,
+  ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` and
+  ``spec_decode_num_accepted_tokens_per_pos`` by ``position`` (one series per proposal position), ``prefix_cache_queries`` and ``prefix_cache_hits`` (in
   tokens), ``request_success`` by ``finished_reason``, and ``request_rejected`` by ``reason``
   (minillm's own: every error answer, also written to the log with its reason);
 - histograms: ``time_to_first_token_seconds`` (observed at the first token),
@@ -125,6 +127,12 @@ class _SnapshotCollector:
             family = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
             family.add_metric([name], snapshot[key])
             yield family
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Proposed "
+                                      "tokens accepted, by position among a request's proposals.",
+                                      labels=["model_name", "position"])
+        for position, count in enumerate(snapshot["num_accepted_tokens_per_pos"]):
+            per_pos.add_metric([name, str(position)], count)
+        yield per_pos
         success = CounterMetricFamily(PREFIX + "request_success", "Finished requests, by finish "
                                       "reason.", labels=["model_name", "finished_reason"])
         for reason in FINISH_REASONS:

@@ -3,8 +3,8 @@
 The ledger (the floor of a verify step of γ + 1 tokens per request beside a decode step's, the batch
 at which verifying turns compute-bound, the expected accepted length τ and the speedup with the
 draft's cost), the lab's measurements (``bench speculative`` on the real SmolLM2: input-grounded
-and open-ended prompts, batch 1 and a larger batch), its tables and figures, and
-:func:`glue_chapter`. Published numbers are quoted as such, with their source.
+and open-ended prompts, batch 1 and a larger batch; a draft of the model's own first layers at two
+depths, priced by measurement), its tables and figures, and :func:`glue_chapter`. Published numbers are quoted as such, with their source.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ GAMMAS = (2, 4, 8)  # proposed tokens per verify step the page plots
 ALPHAS = tuple(a / 100 for a in range(0, 100, 2))
 NGRAM = dict(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)  # the lab's settings
 LAB_BATCHES, LAB_MAX_TOKENS, LAB_REPEATS = (1, 8), 48, 2
+DRAFT_LAYERS, DRAFT_GAMMA, DRAFT_MAX_TOKENS = (12, 27), 3, 32  # the self-draft runs: depths of SmolLM2's 30 layers
 
 # Published anchors (quoted, not measured here)
 LEVIATHAN_URL = "https://arxiv.org/abs/2211.17192"
@@ -210,6 +211,86 @@ def open_sentence(run: dict) -> str:
                   "开放式提问时反而变慢了：猜错的位置白算了，查找本身也要时间，在 CPU 上多算几个位置并不便宜。")
 
 
+# --- A draft of the model's own first layers ---------------------------------------------------------
+
+def bytes_draft_cost(cfg, num_draft_layers: int, dtype="bf16") -> float:
+    """The draft's cost as the bytes ratio would have it: the matmul weights a pass of the first
+    ``num_draft_layers`` layers and the output layer reads, over a whole step's."""
+    draft = cfg.replace(num_layers=num_draft_layers)
+    return L.matmul_weight_bytes(draft, 1, dtype) / L.matmul_weight_bytes(cfg, 1, dtype)
+
+
+def measure_draft(lab, layers=DRAFT_LAYERS) -> dict:
+    """``bench speculative --method draft_layers`` at batch 1 on the open-ended prompts (nothing to
+    copy from), one run per draft depth. Maps the depth to the bench's result."""
+    from minillm.lab.bench_speculative import bench_speculative
+    from minillm.lab.notebook import TEXT_MODEL
+
+    return {n: bench_speculative(TEXT_MODEL, lab.device, lab.dtype, batch=1, max_tokens=DRAFT_MAX_TOKENS, repeats=1,
+                                 num_speculative_tokens=DRAFT_GAMMA, task="open", method="draft_layers",
+                                 num_draft_layers=n)
+            for n in layers}
+
+
+def draft_words(r: dict, cfg) -> dict[str, str]:
+    """A draft run's numbers as the table and the page write them."""
+    n = r["speculative_config"]["num_draft_layers"]
+    return {"accept": f"{r['acceptance_rate']:.0%}", "tau": f"{r['mean_accepted_length']:.2f}",
+            "gamma": f"{r['proposals_per_verify']:.2f}", "c": f"{r['draft_cost']:.2f}",
+            "c_bytes": f"{bytes_draft_cost(cfg, n):.2f}", "v": f"{r['verify_cost']:.2f}",
+            "predicted": f"{r['predicted_speedup']:.2f}×", "speedup": f"{r['speedup']:.2f}×"}
+
+
+DRAFT_HEADER = ["草稿层数", "接受率", "τ（实测）", "每次验证的猜测 γ", "c（实测）", "c（字节之比）", "v（实测）",
+                "τ/(γc+v)", "实测加速"]
+
+
+def draft_rows(drafts: dict, cfg) -> list[list[str]]:
+    """One row per draft depth: acceptance, τ, γ, the measured c beside the bytes ratio, v, the
+    speedup the formula predicts from them and the one measured."""
+    rows = []
+    for n, r in drafts.items():
+        w = draft_words(r, cfg)
+        rows.append([f"{n} / {cfg.num_layers}", w["accept"], w["tau"], w["gamma"], w["c"], w["c_bytes"], w["v"],
+                     w["predicted"], w["speedup"]])
+    return rows
+
+
+def draft_sentence(drafts: dict) -> str:
+    """What the two depths did, as a whole sentence: faster or not, and what depth bought (the
+    deep draft's pass counts as much dearer from 1.3 times the shallow one's)."""
+    from minillm.lab.claims import choose
+
+    shallow, deep = (drafts[n] for n in sorted(drafts))
+    if max(r["speedup"] for r in drafts.values()) >= 1:
+        return "至少有一种深度让解码变快了：它的猜测被收下得够多，抵过了草稿自己那几遍。"
+    if deep["acceptance_rate"] <= shallow["acceptance_rate"]:
+        return "两种深度都让解码变慢了，而且深的草稿并没有比浅的猜得更准。"
+    return choose(deep["draft_cost"] >= 1.3 * shallow["draft_cost"],
+                  "两种深度都让解码变慢了：浅的草稿便宜得多，可它的猜测大多被拒；深的草稿猜得准一些，每一遍却贵得多。",
+                  "两种深度都让解码变慢了：深的草稿猜得准一些，浅的却并不比它便宜多少，它的猜测又大多被拒。")
+
+
+def cost_sentence(drafts: dict, cfg) -> str:
+    """The shallow draft's measured c against its bytes ratio (far above: from 1.3 times), as a whole sentence."""
+    from minillm.lab.claims import choose
+
+    n = min(drafts)
+    return choose(drafts[n]["draft_cost"] >= 1.3 * bytes_draft_cost(cfg, n),
+                  "浅的草稿实测的 c 远高于它的字节之比：它少读的那些层省下的时间，抵不过每一遍都有的固定开销。",
+                  "浅的草稿实测的 c 和它的字节之比相差不大：这台机器上每一遍的固定开销不算重。")
+
+
+def predict_sentence(drafts: dict) -> str:
+    """Whether τ / (γc + v) from the measured parts lands near the measured speedup (within 15%)."""
+    from minillm.lab.claims import choose
+
+    close = all(abs(r["predicted_speedup"] / r["speedup"] - 1) <= 0.15 for r in drafts.values())
+    return choose(close, "用实测的 c 和 v 代进公式，预测的加速和实测的相差不到 15%：这几项已经说清了时间花在哪里。",
+                  "用实测的 c 和 v 代进公式，预测的加速和实测的差了 15% 以上：一步里还有公式没算进去的开销"
+                  "（例如每一遍在主机上准备输入的时间随批和长度变化），要在一台空闲的机器上重测。")
+
+
 def glue_chapter(r: dict) -> None:
     """Glue what the chapter quotes from this lab."""
     from minillm.lab.claims import choose, claim
@@ -243,3 +324,37 @@ def glue_chapter(r: dict) -> None:
         f"批 {big} 时加速并没有变小：这台机器上批 {big} 的一步仍然远没有算满。"))
     g("lab_tau_sentence", tau_sentence(grounded["mean_accepted_length"],
                                        accepted_length(grounded["acceptance_rate"], NGRAM["num_speculative_tokens"])))
+    glue_drafts(r["drafts"])
+
+
+def glue_drafts(drafts: dict) -> None:
+    """Glue the self-draft runs: each depth's numbers, the sentences, and exercise 4's answer
+    (the acceptance rate the deep draft would need to break even at its measured c and v)."""
+    from minillm.engine.config import load_config
+    from minillm.lab.claims import claim
+    from minillm.lab.notebook import g
+
+    cfg = load_config(next(iter(drafts.values()))["model"])
+    claim(all(x["identical"] for x in drafts.values()), "greedy outputs with and without the self-draft are identical")
+    claim(all(x["acceptance_rate"] < 0.5 for x in drafts.values()), "the self-draft's acceptance is low at both depths",
+          acceptance=[x["acceptance_rate"] for x in drafts.values()])
+    g("lab_draft_gamma", str(DRAFT_GAMMA))
+    g("lab_draft_max_tokens", str(DRAFT_MAX_TOKENS))
+    g("lab_num_layers", str(cfg.num_layers))
+    for i, (n, x) in enumerate(sorted(drafts.items())):
+        g(f"lab_draft{i}_layers", str(n))
+        for name, words in draft_words(x, cfg).items():
+            g(f"lab_draft{i}_{name}", words)
+    g("lab_draft_sentence", draft_sentence(drafts))
+    g("lab_cost_sentence", cost_sentence(drafts, cfg))
+    g("lab_predict_sentence", predict_sentence(drafts))
+    deep = drafts[max(drafts)]
+    alpha = break_even_alpha(DRAFT_GAMMA, deep["verify_cost"], deep["draft_cost"])
+    g("lab_ex4_alpha", ex4_sentence(alpha))
+
+
+def ex4_sentence(alpha: float | None) -> str:
+    """Exercise 4's answer as a whole sentence: the break-even acceptance rate, or that none exists."""
+    if alpha is None:
+        return "没有这样的接受率：即使每个猜测都被收下，τ = γ + 1 也抵不过草稿加验证这一步的花费。"
+    return f"接受率至少要 {alpha:.0%}，这一步才不比普通解码慢。"
