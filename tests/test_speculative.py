@@ -337,26 +337,8 @@ def test_draft_probabilities_are_the_q_of_the_rejection_sampler():
 
 
 def test_draft_layers_sampled_tokens_follow_the_targets_distribution():
-    """3000 seeded requests at temperature 1.5, top_k 3, each drafting with the first layer: the
-    (first, second) token pairs against the target's exact joint distribution (9 cells, chi-square
-    p-value above 1e-3); the drafts were both accepted and rejected."""
-    samples, params = 3000, SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True)
-    prompt = repetitive(3, 7, 40)
-    seeded = [SamplingParams(**{**vars(params), "seed": seed}) for seed in range(samples)]
-    on, stats, _, llm = generate(DRAFT, [prompt] * samples, seeded, num_kv_blocks=3000,
-                                 max_num_batched_tokens=2048)
-    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
-    first = target_probs(params, prompt)
-    expected = {}
-    for t1 in first.nonzero().flatten().tolist():
-        second = target_probs(params, prompt + [t1])
-        for t2 in second.nonzero().flatten().tolist():
-            expected[t1, t2] = samples * float(first[t1] * second[t2])
-    counts = {cell: 0 for cell in expected}
-    for tokens in on:
-        counts[tokens[0], tokens[1]] += 1
-    assert len(expected) == 9 and chi_square_p_value(counts, expected) > 1e-3, (counts, expected)
-    assert_all_blocks_back(llm)
+    """As the n-gram test below, each request drafting with the first layer."""
+    assert_pairs_follow_target(DRAFT, repetitive(3, 7, 40), num_kv_blocks=3000)
 
 
 # -- the real model --------------------------------------------------------------------------------
@@ -503,14 +485,20 @@ def prompt_lookup_hits_for(params):
 
 def test_sampled_tokens_with_speculation_follow_the_targets_distribution():
     """3000 requests with seeds 0.., temperature 1.5 and top_k 3, on a prompt whose n-grams
-    propose a token at the first decode step. The pair (first, second) token is counted and tested
-    against the target's exact joint distribution p(t1) p(t2 | t1) (9 cells) by a chi-square test:
-    its p-value must exceed 1e-3. The proposals must have been both accepted and rejected, so that
-    both branches of the rejection sampling were drawn from."""
-    samples, params = 3000, SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True)
-    prompt = prompt_lookup_hits_for(params)
+    propose a token at the first decode step: see assert_pairs_follow_target."""
+    params = SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True)
+    assert_pairs_follow_target(NGRAM, prompt_lookup_hits_for(params), num_kv_blocks=2048)
+
+
+def assert_pairs_follow_target(speculative, prompt, num_kv_blocks, samples=3000):
+    """Sample ``samples`` seeded requests (temperature 1.5, top_k 3) with ``speculative`` on; the
+    pair (first, second) token is counted and tested against the target's exact joint distribution
+    p(t1) p(t2 | t1) (9 cells) by a chi-square test: its p-value must exceed 1e-3. The proposals
+    must have been both accepted and rejected, so that both branches of the rejection sampling
+    were drawn from."""
+    params = SamplingParams(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True)
     seeded = [SamplingParams(**{**vars(params), "seed": seed}) for seed in range(samples)]
-    on, stats, _, llm = generate(NGRAM, [prompt] * samples, seeded, num_kv_blocks=2048,
+    on, stats, _, llm = generate(speculative, [prompt] * samples, seeded, num_kv_blocks=num_kv_blocks,
                                  max_num_batched_tokens=2048)
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
     first = target_probs(params, prompt)
