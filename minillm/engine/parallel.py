@@ -37,6 +37,10 @@ HEADER = 8  # ints per step header: tokens, sequences, table width, logit rows, 
 _ACTIVE: list = []  # the Workers of the one tensor-parallel engine this process may run
 
 
+class TensorParallelError(RuntimeError):
+    """A rank died, a collective failed, or the engine was closed: the engine cannot step."""
+
+
 def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """``ValueError`` unless ``size`` ranks can split ``config``: the heads, the MLP width and
     the KV heads (or, when ``size`` exceeds them, ``size`` a multiple of the KV heads); dense
@@ -240,7 +244,7 @@ def _payload_sizes(header: list[int]) -> list[int]:
 class Workers:
     """Rank 0's side of a tensor-parallel engine: ranks 1..N-1 as spawned processes, their pipes
     and the process group. ``close`` (also run at exit and when the engine is collected) stops
-    them; :meth:`check` turns a dead one into a ``RuntimeError`` that names it."""
+    them; :meth:`check` turns a dead one into a ``TensorParallelError`` that names it."""
 
     def __init__(self, model, device: torch.device, dtype, weights: str, size: int):
         if _ACTIVE:
@@ -295,7 +299,7 @@ class Workers:
             message = ("error", "the process ended")
         if message[0] != expected:
             self.close()
-            raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{message[1]}")
+            raise TensorParallelError(f"tensor-parallel rank {rank} failed:\n{message[1]}")
 
     def order(self, *message) -> None:
         """Send every worker the same order (a step, a plan, building the cache, stop)."""
@@ -310,26 +314,31 @@ class Workers:
         dist.broadcast(payload, src=0)
 
     def check(self) -> None:
-        """``RuntimeError`` naming the first worker that is no longer running (the others are stopped)."""
+        """``TensorParallelError`` naming the first worker that is no longer running (the others are
+        stopped), or saying the engine is closed."""
+        if self not in _ACTIVE:
+            raise TensorParallelError("the tensor-parallel engine is closed")
         for rank, process in enumerate(self.processes, start=1):
             if not process.is_alive():
                 code = process.exitcode
                 self.close()
-                raise RuntimeError(f"tensor-parallel rank {rank} (pid {process.pid}) died "
+                raise TensorParallelError(f"tensor-parallel rank {rank} (pid {process.pid}) died "
                                    f"(exit code {code}); the engine is closed")
 
-    def failed(self, err: BaseException) -> RuntimeError:
-        """The error to raise when a collective failed: which rank died, if one did."""
+    def failed(self, err: BaseException) -> TensorParallelError:
+        """The error to raise when a step failed: which rank died, if one did."""
+        if isinstance(err, TensorParallelError):
+            return err
         for _ in range(20):  # the process may take a moment to be reaped after its socket closed
             try:
                 self.check()
-            except RuntimeError as dead:
+            except TensorParallelError as dead:
                 return dead
             if not any(p.is_alive() for p in self.processes):
                 break
             self.processes[0].join(0.05)
         self.close()
-        return RuntimeError(f"a tensor-parallel collective failed ({err}); the engine is closed")
+        return TensorParallelError(f"a tensor-parallel step failed ({err}); the engine is closed")
 
     def close(self) -> None:
         """Stop the workers (asked, then killed), leave the process group, restore the thread count."""
