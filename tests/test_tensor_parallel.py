@@ -17,7 +17,9 @@ from safetensors.torch import save_file
 
 from minillm import LLM, LLMEngine, SamplingParams, load_model
 from minillm.engine.config import ModelConfig, load_config
+from minillm.engine.model import Transformer
 from minillm.engine.parallel import TensorParallel
+from minillm.engine.planner import model_bytes, plan
 from minillm.server.launcher import serve_in_background
 
 BASE = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -136,6 +138,16 @@ def test_bad_settings_refused_before_any_process_starts(settings, message):
     assert {p.pid for p in psutil.Process().children()} <= before | _resource_tracker()
 
 
+def test_dry_run_plans_one_rank_per_card():
+    plans = {n: plan("llama-3.1-8b", gpu_memory="24GiB", max_model_len=8192, tensor_parallel_size=n)
+             for n in (1, 2, 8)}
+    assert plans[2].bytes_per_block * 2 == plans[1].bytes_per_block == plans[8].bytes_per_block * 8
+    assert plans[1].weight_bytes / plans[8].weight_bytes == pytest.approx(8, rel=0.01)  # norms whole
+    assert plans[8].num_blocks > plans[2].num_blocks > 2 * plans[1].num_blocks
+    with pytest.raises(ValueError, match="dry run"):
+        plan("tiny", memory_limit="64MiB", tensor_parallel_size=2)
+
+
 def test_moe_and_loaded_models_refused():
     with pytest.raises(ValueError, match="mixture of experts"):
         LLM(load_config("mixtral-8x7b"), weights="random", tensor_parallel_size=2)
@@ -149,9 +161,15 @@ def _resource_tracker() -> set[int]:
     return {p.pid for p in psutil.Process().children() if "resource_tracker" in " ".join(p.cmdline())}
 
 
-def test_killed_worker_is_an_error_within_seconds():
-    llm = LLM(ModelConfig.from_dict(BASE), device="cpu", weights="random", num_kv_blocks=128,
-              tensor_parallel_size=2)
+def test_planner_plans_one_rank_and_a_killed_worker_is_an_error_within_seconds():
+    cfg, limit = ModelConfig.from_dict(BASE), dict(memory_limit="8MiB", max_model_len=512)
+    one = LLM(cfg, device="cpu", weights="random", **limit).memory_plan
+    llm = LLM(cfg, device="cpu", weights="random", **limit, tensor_parallel_size=2)
+    with torch.device("meta"):
+        shard = Transformer(cfg, TensorParallel(0, 2))
+    assert llm.memory_plan.weight_bytes == model_bytes(shard) < one.weight_bytes
+    assert 2 * llm.memory_plan.bytes_per_block == one.bytes_per_block  # half the KV heads
+    assert llm.config.num_kv_blocks == llm.memory_plan.num_blocks > one.num_blocks
     (pid,) = llm.workers.pids
     killed = []
     timer = threading.Timer(0.5, lambda: (os.kill(pid, signal.SIGKILL), killed.append(time.monotonic())))
