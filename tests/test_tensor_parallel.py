@@ -20,6 +20,7 @@ from minillm.engine.config import ModelConfig, load_config
 from minillm.engine.model import Transformer
 from minillm.engine.parallel import TensorParallel
 from minillm.engine.planner import model_bytes, plan
+from minillm.lab import estimate as L
 from minillm.server.launcher import serve_in_background
 
 BASE = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -217,3 +218,50 @@ def test_workers_end_when_rank0_is_killed(tmp_path):
         assert workers and _gone(workers, within=5.0), _alive(workers)
     finally:
         rank0.kill()
+
+
+# --- the ledger ---------------------------------------------------------------------------------
+
+def test_ledger_allreduces_of_llama_8b():
+    cfg = load_config("llama-3.1-8b")
+    assert L.allreduces_per_token(cfg) == 64 and L.allreduce_message_bytes(cfg) == 8 * L.KiB  # bf16
+    assert L.allreduce_message_bytes(cfg, tokens=16, dtype="fp32") == 256 * L.KiB
+    assert L.ring_bytes_per_card(8 * L.KiB, 2) == 8 * L.KiB and L.ring_bytes_per_card(8 * L.KiB, 8) == 14 * L.KiB
+
+
+def test_ledger_weights_and_kv_per_card():
+    small, big = load_config("llama-3.1-8b"), load_config("llama-3.1-70b")
+    norms = L.param_breakdown(small)["norms"]
+    for tp in (1, 2, 4, 8):  # every matrix split, the norms whole
+        assert L.weight_bytes_per_card(small, tp) == 2 * ((L.param_count(small) - norms) // tp + norms)
+        assert L.kv_bytes_per_token_per_card(big, tp) == 320 * L.KiB // tp
+    # past tp = n_kv (8) each card keeps one KV head: its KV per token stops shrinking
+    assert L.kv_bytes_per_token_per_card(small, 16) == L.kv_bytes_per_token_per_card(small, 8) == 16 * L.KiB
+    fits = {(card, tp): L.memory_budget(L.card_config(big, tp), card).num_blocks > 0
+            for card in ("24GiB", "80GiB") for tp in (1, 2, 4, 8)}
+    assert [tp for tp in (1, 2, 4, 8) if fits["80GiB", tp]] == [2, 4, 8]
+    assert [tp for tp in (1, 2, 4, 8) if fits["24GiB", tp]] == [8]
+    # the engine's shard holds what the ledger counts
+    with torch.device("meta"):
+        shard = Transformer(load_config("qwen2.5-0.5b"), TensorParallel(1, 2)).to(torch.bfloat16)
+    assert model_bytes(shard) == L.weight_bytes_per_card(load_config("qwen2.5-0.5b"), 2)
+
+
+def test_alpha_beta_allreduce_and_the_decode_floor():
+    link = L.AllReduceCost(latency=20e-6, bandwidth=25e9)
+    assert link.seconds(8 * L.KiB, 1) == 0
+    assert link.seconds(8 * L.KiB, 2) == pytest.approx(20e-6 + 8192 / 25e9)
+    assert link.latency_share(8 * L.KiB, 2) > 0.98  # one token's message: the latency is the cost
+    assert link.latency_share(64 * L.MiB, 2) < 0.01
+    cfg, card = load_config("llama-3.1-8b"), (165.2e12, 1008e9)  # an RTX 4090's ceilings
+    steps = {tp: L.tensor_parallel_decode(cfg, tp, 1, 4096, *card, link) for tp in (1, 2, 4, 8)}
+    assert steps[1].allreduce_seconds == 0 and steps[2].num_allreduces == 64
+    assert steps[2].allreduce_seconds == pytest.approx(64 * link.seconds(8 * L.KiB, 2))
+    assert steps[2].floor.seconds == pytest.approx(steps[1].floor.seconds / 2, rel=0.01)
+    assert steps[2].floor.bound == "memory"
+    assert steps[1].tokens_per_s < steps[2].tokens_per_s < steps[4].tokens_per_s < steps[8].tokens_per_s
+    assert steps[8].allreduce_share > steps[4].allreduce_share > steps[2].allreduce_share
+    # the gain of a second card is half the weights' read time; 64 calls of 200 µs cost more
+    slow = L.AllReduceCost(latency=200e-6, bandwidth=25e9)
+    assert 64 * 200e-6 > steps[1].floor.seconds / 2
+    assert L.tensor_parallel_decode(cfg, 2, 1, 4096, *card, slow).tokens_per_s < steps[1].tokens_per_s

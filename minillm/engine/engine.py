@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from minillm.engine.config import ModelConfig, load_config
+from minillm.engine.config import ModelConfig, load_config, tensor_parallel_shard
 from minillm.engine.device import pick_device, resolve_device
 from minillm.engine.engine_config import EngineConfig
 from minillm.engine.kv_cache import kv_bytes_per_token, kv_storage_dtype
@@ -20,7 +20,7 @@ from minillm.engine.loader import load_model
 from minillm.engine.model import Transformer
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.paged_cache import PagedKVCache
-from minillm.engine.parallel import TensorParallel, Workers, check_tensor_parallel
+from minillm.engine.parallel import TensorParallel, Workers
 from minillm.engine.planner import plan
 from minillm.engine.recorder import Recorder
 from minillm.engine.request import Request, RequestOutput
@@ -252,7 +252,7 @@ def _start_workers(model, device, dtype, weights, config: EngineConfig) -> Worke
     if isinstance(model, Transformer):
         raise ValueError(f"tensor_parallel_size={size} needs the model as a folder, preset, hub id or "
                          f"ModelConfig, not a loaded Transformer: each rank loads its own shard")
-    check_tensor_parallel(model if isinstance(model, ModelConfig) else load_config(model), size)
+    tensor_parallel_shard(model if isinstance(model, ModelConfig) else load_config(model), size)  # checks
     device = resolve_device(device)
     if device.type == "cuda":
         if device.index not in (None, 0):

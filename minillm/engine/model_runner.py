@@ -77,7 +77,7 @@ class ModelRunner:
                 sampled_requests.append(request)
         input_ids, positions, attn = self.kv.prepare_inputs(batch, input_ids)
         if self.workers is not None:
-            self.workers.broadcast_step(input_ids, positions, attn, last_rows if sampled_requests else [],
+            self.workers.broadcast_step(input_ids, attn, last_rows if sampled_requests else [],
                                         output.blocks_to_swap_out, output.blocks_to_swap_in)
         if attn.max_query_len == 1 and self.decode_graphs.holds(len(batch)):
             hidden = self.decode_graphs.run(input_ids, positions, attn)

@@ -29,35 +29,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from minillm.engine.config import ModelConfig
+from minillm.engine.config import ModelConfig, tensor_parallel_shard
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # longest wait of one collective for a peer
 STOP_TIMEOUT_S = 5.0  # a worker told to stop gets this long before it is killed
-HEADER = 8  # ints per step header: tokens, sequences, table width, logit rows, swaps out, in, max query
 _ACTIVE: list = []  # the Workers of the one tensor-parallel engine this process may run
 
 
 class TensorParallelError(RuntimeError):
     """A rank died, a collective failed, or the engine was closed: the engine cannot step."""
-
-
-def check_tensor_parallel(config: ModelConfig, size: int) -> None:
-    """``ValueError`` unless ``size`` ranks can split ``config``: the heads, the MLP width and
-    the KV heads (or, when ``size`` exceeds them, ``size`` a multiple of the KV heads); dense
-    models only."""
-    if size == 1:
-        return
-    if config.is_moe:
-        raise ValueError(f"{config.name}: tensor_parallel_size={size} is not supported for a mixture "
-                         f"of experts model; use tensor_parallel_size=1")
-    for name, value in (("num_attention_heads", config.num_heads),
-                        ("intermediate_size", config.intermediate_size)):
-        if value % size:
-            raise ValueError(f"{config.name}: tensor_parallel_size={size} must divide {name} ({value})")
-    kv = config.num_kv_heads
-    if (kv % size if size <= kv else size % kv):
-        raise ValueError(f"{config.name}: tensor_parallel_size={size} must divide num_key_value_heads "
-                         f"({kv}) or be a multiple of it (each KV head then replicated)")
 
 
 @dataclass(frozen=True)
@@ -71,12 +51,7 @@ class TensorParallel:
     def shard_config(self, config: ModelConfig) -> ModelConfig:
         """The shape this rank holds: heads, KV heads and MLP width per rank (vocabulary, hidden
         size and layers as the model's). The KV cache, the kernels and the planner read it."""
-        if self.size == 1:
-            return config
-        check_tensor_parallel(config, self.size)
-        return config.replace(num_heads=config.num_heads // self.size,
-                              num_kv_heads=max(1, config.num_kv_heads // self.size),
-                              intermediate_size=config.intermediate_size // self.size)
+        return tensor_parallel_shard(config, self.size)
 
     def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
         """This rank's vocabulary rows [start, end) and every rank's row count (the vocabulary
@@ -147,27 +122,23 @@ class TensorParallel:
 
 # --- the processes ------------------------------------------------------------------------------
 
-def _pack_step(input_ids, positions, attn, last_rows, swap_out, swap_in) -> tuple[list[int], torch.Tensor]:
-    """One step's inputs as a header (sizes) and one int64 tensor on the step's device."""
+def _pack_step(input_ids, attn, last_rows, swap_out, swap_in) -> tuple[list[int], torch.Tensor]:
+    """One step's inputs as a header (sizes) and one int64 tensor on the step's device: the token
+    ids, each sequence's computed and new token counts and its block-table row (what rank 0's
+    ``StepBuilder`` built the step from), the rows to compute logits for, the blocks to swap."""
     batch, width = attn.block_tables.shape
     flat_pairs = [b for pair in (*swap_out, *swap_in) for b in pair]
-    header = [len(input_ids), batch, width, len(last_rows), len(swap_out), len(swap_in), attn.max_query_len, 0]
-    device = input_ids.device
-    extra = torch.tensor([*last_rows, *flat_pairs], dtype=torch.int64, device=device)
-    payload = torch.cat([input_ids.long(), positions.long(), attn.cu_seqlens_q.long(), attn.seq_lens.long(),
-                         attn.block_tables.reshape(-1).long(), attn.slot_mapping.long(), extra])
+    header = [len(input_ids), batch, width, len(last_rows), len(swap_out), len(swap_in)]
+    num_new = attn.cu_seqlens_q.diff()
+    extra = torch.tensor([*last_rows, *flat_pairs], dtype=torch.int64, device=input_ids.device)
+    payload = torch.cat([input_ids.long(), (attn.seq_lens - num_new).long(), num_new.long(),
+                         attn.block_tables.reshape(-1).long(), extra])
     return header, payload
 
 
-def _unpack_step(header: list[int], payload: torch.Tensor):
-    from minillm.engine.attention_metadata import AttentionMetadata
-
-    batch, width, max_query_len = header[1], header[2], header[6]
-    ids, positions, cu, lens, tables, slots, last, out, back = payload.split(_payload_sizes(header))
-    attn = AttentionMetadata(cu_seqlens_q=cu.int(), seq_lens=lens.int(), block_tables=tables.view(batch, width).int(),
-                             slot_mapping=slots, max_query_len=max_query_len)
-    pairs = lambda t: [tuple(p) for p in t.view(-1, 2).tolist()]  # noqa: E731
-    return ids, positions, attn, last, pairs(out), pairs(back)
+def _payload_sizes(header: list[int]) -> list[int]:
+    tokens, batch, width, rows, num_out, num_in = header
+    return [tokens, batch, batch, batch * width, rows, 2 * num_out, 2 * num_in]
 
 
 def _rank_device(device: torch.device, rank: int) -> torch.device:
@@ -227,18 +198,17 @@ def _worker(rank: int, size: int, port: int, conn, model, device: torch.device, 
 
 @torch.inference_mode()
 def _worker_step(net, kv, header: list[int], device: torch.device) -> None:
+    """Receive the step rank 0 runs, build its inputs the way rank 0 did, run the shard's forward."""
     payload = torch.empty(sum(_payload_sizes(header)), dtype=torch.int64, device=device)
     dist.broadcast(payload, src=0)
-    ids, positions, attn, last, swap_out, swap_in = _unpack_step(header, payload)
-    kv.swap(swap_out, swap_in)
-    hidden = net(ids, positions, attn, kv.layer_caches)
+    ids, computed, new, tables, last, out, back = payload.cpu().split(_payload_sizes(header))
+    pairs = lambda t: [tuple(p) for p in t.view(-1, 2).tolist()]  # noqa: E731
+    kv.swap(pairs(out), pairs(back))
+    input_ids, positions, attn = kv.step_builder.build(tables.view(header[1], header[2]).int(), computed.tolist(),
+                                                       new.tolist(), kv.block_size, ids.tolist())
+    hidden = net(input_ids, positions, attn, kv.layer_caches)
     if len(last):
-        net.compute_logits(hidden[last])
-
-
-def _payload_sizes(header: list[int]) -> list[int]:
-    tokens, batch, width, rows, num_out, num_in = header[:6]
-    return [tokens, tokens, batch + 1, batch, batch * width, tokens, rows, 2 * num_out, 2 * num_in]
+        net.compute_logits(hidden[last.to(device)])
 
 
 class Workers:
@@ -306,10 +276,10 @@ class Workers:
         for conn in self.conns:
             conn.send(message)
 
-    def broadcast_step(self, input_ids, positions, attn, last_rows, swap_out, swap_in) -> None:
+    def broadcast_step(self, input_ids, attn, last_rows, swap_out, swap_in) -> None:
         """Tell the workers a step is coming and broadcast its inputs."""
         self.check()
-        header, payload = _pack_step(input_ids, positions, attn, last_rows, swap_out, swap_in)
+        header, payload = _pack_step(input_ids, attn, last_rows, swap_out, swap_in)
         self.order("step", header)
         dist.broadcast(payload, src=0)
 
