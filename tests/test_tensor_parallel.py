@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from minillm import LLM, LLMEngine, SamplingParams, load_model
 from minillm.engine.config import ModelConfig, load_config
 from minillm.engine.model import Transformer
-from minillm.engine.parallel import TensorParallel
+from minillm.engine.parallel import TensorParallel, timed_collectives
 from minillm.engine.planner import model_bytes, plan
 from minillm.lab import estimate as L
 from minillm.server.launcher import serve_in_background
@@ -93,14 +93,23 @@ def test_tp2_greedy_tokens_equal_tp1(tmp_path, name):
     mode = "swap" if name == "held-out" else "recompute"
     results = {}
     for size in (1, 2):
-        with LLM(tmp_path, **ENGINE, preemption_mode=mode, tensor_parallel_size=size) as llm:
+        with LLM(tmp_path, **ENGINE, preemption_mode=mode, tensor_parallel_size=size) as llm, \
+                timed_collectives() as clock:
             results[size] = _run(llm)
             pids = llm.workers.pids if llm.workers else []
             if size == 2:
                 assert len(pids) == 1 and llm.model.config.num_heads == CONFIGS[name]["num_attention_heads"] // 2
         assert _gone(pids)
+        if size == 1:
+            assert clock.calls == {}
     tokens, first, second = results[2]
     assert tokens == results[1][0]
+    # rank 0's collectives: per step one broadcast of the inputs, 2 all-reduces per layer and the
+    # embedding's, one all-gather of the logits when a request samples
+    steps = first["steps"] + second["steps"]
+    layers = CONFIGS[name]["num_hidden_layers"]
+    assert clock.calls == {"broadcast": len(steps), "all_reduce": (2 * layers + 1) * len(steps),
+                           "all_gather": sum(s["num_sampled"] > 0 for s in steps)}
     assert first["num_preemptions"] > 0 and second["prefix_hit_tokens"] >= 2 * len(SHARED)
     steps = first["steps"]
     assert any(s["num_prefill_tokens"] and s["num_decode_tokens"] for s in steps)  # mixed steps

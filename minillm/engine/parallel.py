@@ -19,11 +19,14 @@ rank 0 reports which rank died.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import time
 import traceback
 import weakref
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,6 +37,49 @@ from minillm.engine.config import ModelConfig, tensor_parallel_shard
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # longest wait of one collective for a peer
 STOP_TIMEOUT_S = 5.0  # a worker told to stop gets this long before it is killed
 _ACTIVE: list = []  # the Workers of the one tensor-parallel engine this process may run
+
+
+@dataclass
+class CollectiveClock:
+    """What this process's collectives took while :func:`timed_collectives` was on: calls and
+    seconds of each kind ("all_reduce", "all_gather", "broadcast"); on CUDA each call is
+    synchronized before and after, so its seconds are its own."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+_CLOCK: list[CollectiveClock] = []  # the clock running now, if any
+
+
+@contextlib.contextmanager
+def timed_collectives() -> Iterator[CollectiveClock]:
+    """Count and time this process's collectives inside the ``with`` block: the forward's
+    all-reduces and all-gather, and on rank 0 the broadcast of each step's inputs."""
+    clock = CollectiveClock()
+    _CLOCK.append(clock)
+    try:
+        yield clock
+    finally:
+        _CLOCK.remove(clock)
+
+
+def _collective(op, *args) -> None:
+    """``op(*args)``, timed when a clock runs (the tensor comes first or second)."""
+    if not _CLOCK:
+        op(*args)
+        return
+    tensor = args[1] if isinstance(args[0], list) else args[0]
+    on_cuda = tensor.is_cuda
+    if on_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    op(*args)
+    if on_cuda:
+        torch.cuda.synchronize()
+    clock, name = _CLOCK[-1], op.__name__
+    clock.calls[name] = clock.calls.get(name, 0) + 1
+    clock.seconds[name] = clock.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 class TensorParallelError(RuntimeError):
@@ -97,7 +143,7 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of each rank's partial ``x`` (in place)."""
         if self.size > 1:
-            dist.all_reduce(x)
+            _collective(dist.all_reduce, x)
         return x
 
     def embed(self, embedding: torch.nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
@@ -116,7 +162,7 @@ class TensorParallel:
         if self.size == 1:
             return logits
         pieces = [torch.empty_like(logits) for _ in range(self.size)]
-        dist.all_gather(pieces, logits.contiguous())
+        _collective(dist.all_gather, pieces, logits.contiguous())
         return torch.cat(pieces, dim=-1)[:, :vocab_size]
 
 
@@ -281,7 +327,7 @@ class Workers:
         self.check()
         header, payload = _pack_step(input_ids, attn, last_rows, swap_out, swap_in)
         self.order("step", header)
-        dist.broadcast(payload, src=0)
+        _collective(dist.broadcast, payload, 0)
 
     def check(self) -> None:
         """``TensorParallelError`` naming the first worker that is no longer running (the others are
