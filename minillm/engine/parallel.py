@@ -65,7 +65,7 @@ def timed_collectives() -> Iterator[CollectiveClock]:
 
 
 def _collective(op, *args) -> None:
-    """``op(*args)``, timed when a clock runs (the tensor comes first or second)."""
+    """``op(*args)``, timed when a clock runs (``args``: a tensor first, or a list then a tensor)."""
     if not _CLOCK:
         op(*args)
         return
@@ -100,8 +100,8 @@ class TensorParallel:
         return tensor_parallel_shard(config, self.size)
 
     def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
-        """This rank's vocabulary rows [start, end) and every rank's row count (the vocabulary
-        padded to a multiple of ``size``; padded rows hold zeros)."""
+        """This rank's first vocabulary row and every rank's row count (the vocabulary padded to a
+        multiple of ``size``; padded rows hold zeros)."""
         rows = -(-vocab_size // self.size)
         return self.rank * rows, rows
 
@@ -334,12 +334,12 @@ class Workers:
         stopped), or saying the engine is closed."""
         if self not in _ACTIVE:
             raise TensorParallelError("the tensor-parallel engine is closed")
-        for rank, process in enumerate(self.processes, start=1):
+        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
             if not process.is_alive():
-                code = process.exitcode
+                code, said = process.exitcode, _last_words(conn)
                 self.close()
                 raise TensorParallelError(f"tensor-parallel rank {rank} (pid {process.pid}) died "
-                                   f"(exit code {code}); the engine is closed")
+                                          f"(exit code {code}); the engine is closed{said}")
 
     def failed(self, err: BaseException) -> TensorParallelError:
         """The error to raise when a step failed: which rank died, if one did."""
@@ -366,6 +366,18 @@ class Workers:
             dist.destroy_process_group()
         if self.device.type == "cpu":
             torch.set_num_threads(self._threads_before)
+
+
+def _last_words(conn) -> str:
+    """The traceback a worker sent before it exited, if it had time to send one."""
+    try:
+        while conn.poll():
+            message = conn.recv()
+            if message[0] == "error":
+                return f". Its error:\n{message[1]}"
+    except (EOFError, OSError):
+        pass
+    return ""
 
 
 def _stop(processes, conns) -> None:
