@@ -89,7 +89,7 @@ def cmd_generate(args) -> int:
         llm = LLM(args.model, device=args.device, dtype=torch_dtype(args.dtype), weights=args.weights,
                   num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
                   quantization=args.quantization, group_size=args.group_size,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
         if args.token_ids is not None:
             prompt = args.token_ids
         elif args.raw or not getattr(llm.tokenizer, "chat_template", None):
@@ -124,7 +124,7 @@ def cmd_plan(args) -> int:
                       max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_num_seqs=args.max_num_seqs, memory_limit=args.memory_limit,
                       quantization=args.quantization, group_size=args.group_size,
-                      kv_cache_dtype=args.kv_cache_dtype)
+                      kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
     except ValueError as err:
         raise CLIError(str(err)) from None
     if args.json:
@@ -188,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--weights", default="auto", choices=["auto", "random"])
     gen.add_argument("--num-kv-blocks", type=int, default=256, help="KV blocks of 16 tokens (default 256)")
     gen.add_argument("--max-model-len", type=int, help="longest request (default: what the pool holds)")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks that split every layer (default 1)")
     add_quantization_options(gen)
     gen.set_defaults(func=cmd_generate)
     pln = commands.add_parser("plan", help="where a card's memory goes: weights, activations, KV blocks")
@@ -203,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--max-num-batched-tokens", type=int, default=2048,
                      help="tokens of the largest step, profiled (default 2048)")
     pln.add_argument("--max-num-seqs", type=int, default=256)
+    pln.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="plan one rank's card of N (dry run only; default 1)")
     pln.add_argument("--dtype", choices=sorted(TORCH_DTYPES), help="default: the model's")
     pln.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_quantization_options(pln)

@@ -139,6 +139,28 @@ class ModelConfig:
         )
 
 
+def tensor_parallel_shard(config: ModelConfig, size: int) -> ModelConfig:
+    """The shape one rank of ``size`` holds under tensor parallelism (``minillm.engine.parallel``):
+    its query heads, its KV heads (one, replicated, when ``size`` exceeds them) and its MLP width;
+    vocabulary, hidden size and layers as the model's. ``ValueError`` unless ``size`` divides the
+    heads and the MLP width and divides the KV heads or is a multiple of them; dense models only."""
+    if size == 1:
+        return config
+    if config.is_moe:
+        raise ValueError(f"{config.name}: tensor_parallel_size={size} is not supported for a mixture "
+                         f"of experts model; use tensor_parallel_size=1")
+    for name, value in (("num_attention_heads", config.num_heads),
+                        ("intermediate_size", config.intermediate_size)):
+        if value % size:
+            raise ValueError(f"{config.name}: tensor_parallel_size={size} must divide {name} ({value})")
+    kv = config.num_kv_heads
+    if (kv % size if size <= kv else size % kv):
+        raise ValueError(f"{config.name}: tensor_parallel_size={size} must divide num_key_value_heads "
+                         f"({kv}) or be a multiple of it (each KV head then replicated)")
+    return config.replace(num_heads=config.num_heads // size, num_kv_heads=max(1, kv // size),
+                          intermediate_size=config.intermediate_size // size)
+
+
 def _moe_fields(hf: dict, name: str) -> dict:
     """The router's settings of a Mixtral or Qwen3-MoE config; ``ValueError`` for what minillm does
     not run (another router, dense layers between the sparse ones). Mixtral's router is a softmax

@@ -12,13 +12,15 @@ import time
 
 import torch
 
-from minillm.engine.device import pick_device
+from minillm.engine.config import ModelConfig, load_config, tensor_parallel_shard
+from minillm.engine.device import pick_device, resolve_device
 from minillm.engine.engine_config import EngineConfig
 from minillm.engine.kv_cache import kv_bytes_per_token, kv_storage_dtype
 from minillm.engine.loader import load_model
 from minillm.engine.model import Transformer
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.paged_cache import PagedKVCache
+from minillm.engine.parallel import TensorParallel, Workers
 from minillm.engine.planner import plan
 from minillm.engine.recorder import Recorder
 from minillm.engine.request import Request, RequestOutput
@@ -35,16 +37,38 @@ class LLMEngine:
     pool (on the CPU it needs ``memory_limit``). ``max_model_len=None``: the plan's, else as long as
     the model's positions and the pool allow. ``log_limit``: the most recent steps and finished
     requests the recorder keeps (None: all; a server keeps a bounded tail).
+
+    ``tensor_parallel_size=N`` > 1: this process is rank 0 and starts ranks 1..N-1
+    (``minillm.engine.parallel``); the sizes below (``model.config``, the plan, the KV pool) are then
+    one rank's. :meth:`close` (or leaving a ``with`` block) stops them.
     """
 
     def __init__(self, model, device=None, dtype=None, weights: str = "auto",
                  log_limit: int | None = None, **engine_args):
         config = EngineConfig(**engine_args)
         _check_device(config, device)
-        self.model = _load(model, device, dtype, weights, config)
+        self.workers = _start_workers(model, device, dtype, weights, config)
+        try:
+            self._build(model, device, dtype, weights, config)
+        except BaseException:
+            self.close()
+            raise
+        self.recorder = Recorder(log_limit, self.scheduler.num_speculative_tokens)
+        self._t0 = time.perf_counter()
+        self._next_id = 0
+        self._aborted: list[RequestOutput] = []  # reported by the next step()
+
+    def _build(self, model, device, dtype, weights, config: EngineConfig) -> None:
+        """The model (this rank's shard), the plan, the KV pool, the scheduler and the runner."""
+        workers = self.workers
+        self.model = _load(model, device, dtype, weights, config, workers.tp if workers else TensorParallel())
+        if workers:
+            workers.wait_loaded()
         if config.speculative_config is not None:  # before the pool is planned or allocated
             config.speculative_config.check_model(self.model.config.num_layers)
         self.tokenizer = getattr(self.model, "tokenizer", None)
+        if config.num_kv_blocks is None and workers:
+            workers.order("plan", config)  # every rank runs the profile step, in step with rank 0
         self.memory_plan = plan(self.model, engine_config=config) if config.num_kv_blocks is None else None
         model_config, kv_dtype = self.model.config, kv_storage_dtype(config.kv_cache_dtype, self.model.dtype)
         bytes_per_block = config.block_size * kv_bytes_per_token(model_config, kv_dtype)
@@ -53,12 +77,21 @@ class LLMEngine:
             model_config, config.num_kv_blocks, config.block_size, kv_dtype, self.model.device,
             enable_prefix_caching=config.enable_prefix_caching, prefix_index=config.prefix_index,
             max_model_len=config.max_model_len, num_cpu_blocks=config.num_cpu_blocks)
+        if workers:
+            workers.order("cache", config, kv_dtype)
         self.scheduler = SCHEDULERS[config.scheduling](self.kv_cache, config, model_config.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.config)
-        self.recorder = Recorder(log_limit, self.scheduler.num_speculative_tokens)
-        self._t0 = time.perf_counter()
-        self._next_id = 0
-        self._aborted: list[RequestOutput] = []  # reported by the next step()
+        self.runner = ModelRunner(self.model, self.kv_cache, self.config, workers)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (also done at exit); the engine cannot step after."""
+        if getattr(self, "workers", None) is not None:
+            self.workers.close()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def now(self) -> float:
         """The engine's clock: seconds since the engine was built."""
@@ -143,7 +176,12 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             raise RuntimeError("the scheduler made no progress although requests are unfinished")
-        sampled = self.runner.execute(scheduled)
+        try:
+            sampled = self.runner.execute(scheduled)
+        except Exception as err:
+            if self.workers is None:
+                raise
+            raise self.workers.failed(err) from err
         finished = self.scheduler.update(scheduled, sampled)
         end = self.now()
         self.recorder.record_step(scheduled, sampled, start, end, free_before,
@@ -207,9 +245,30 @@ def _check_device(config: EngineConfig, device) -> None:
                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}; use 'auto'")
 
 
-def _load(model, device, dtype, weights, config: EngineConfig) -> Transformer:
+def _start_workers(model, device, dtype, weights, config: EngineConfig) -> Workers | None:
+    """Ranks 1..N-1 of a tensor-parallel engine, started once the model's shape and the devices
+    are checked (nothing is loaded before); None for one rank."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return None
+    if isinstance(model, Transformer):
+        raise ValueError(f"tensor_parallel_size={size} needs the model as a folder, preset, hub id or "
+                         f"ModelConfig, not a loaded Transformer: each rank loads its own shard")
+    tensor_parallel_shard(model if isinstance(model, ModelConfig) else load_config(model), size)  # checks
+    device = resolve_device(device)
+    if device.type == "cuda":
+        if device.index not in (None, 0):
+            raise ValueError(f"tensor_parallel_size={size} runs on cuda:0..cuda:{size - 1}; got device={device}")
+        if size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, this machine has "
+                             f"{torch.cuda.device_count()}")
+        device = torch.device("cuda", 0)
+    return Workers(model, device, dtype, weights, size)
+
+
+def _load(model, device, dtype, weights, config: EngineConfig, tp: TensorParallel) -> Transformer:
     """An already built Transformer as is, or load one (path, preset or hub id), quantized as the
-    settings say."""
+    settings say; under tensor parallelism, this rank's shard."""
     if isinstance(model, Transformer):
         if device is not None and torch.device(device).type != model.device.type:
             raise ValueError(f"device={device} but the given model is on {model.device}")
@@ -220,5 +279,7 @@ def _load(model, device, dtype, weights, config: EngineConfig) -> Transformer:
                              f"{'not quantized' if model.quantization is None else model.quantization}: "
                              f"load it with load_model(..., quantization=...)")
         return model
+    if tp.size > 1 and device is not None:
+        device = torch.device("cuda", 0) if torch.device(device).type == "cuda" else device
     return load_model(model, device=device, dtype=dtype, weights=weights,
-                      quantization=config.quantization, group_size=config.group_size)
+                      quantization=config.quantization, group_size=config.group_size, tensor_parallel=tp)

@@ -123,9 +123,10 @@ class EngineConfig:
     group_size: int = 32  # int4's group along the input dimension (32 or 128)
     kv_cache_dtype: str = "auto"  # "fp8": the paged cache holds e4m3 keys and values (vLLM's name)
     speculative_config: SpeculativeConfig | None = None  # a dict of vLLM's keys turns speculation on
+    tensor_parallel_size: int = 1  # ranks (processes, one device each) that split every layer
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             check_positive_int(name, getattr(self, name))
         if self.num_kv_blocks is not None:
             check_positive_int("num_kv_blocks (or None for the planner)", self.num_kv_blocks)
@@ -158,6 +159,13 @@ class EngineConfig:
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+        if self.tensor_parallel_size > 1:
+            unsupported = [name for name, on in (("quantization", self.quantization is not None),
+                                                 ("speculative_config", self.speculative_config is not None),
+                                                 ("cuda_graph_sizes", bool(self.cuda_graph_sizes))) if on]
+            if unsupported:
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not combine with "
+                                 f"{', '.join(unsupported)} in minillm: use tensor_parallel_size=1 for them")
 
     def replace(self, **changes) -> "EngineConfig":
         """A copy with some settings changed (validated again)."""

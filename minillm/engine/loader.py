@@ -26,6 +26,7 @@ from minillm.engine.config import ModelConfig, load_config, preset_names, resolv
 from minillm.engine.device import pick_device
 from minillm.engine.gguf_file import GGUFFile, checked_tensors, gguf_tokenizer, read_weights
 from minillm.engine.model import RMSNorm, Router, Transformer
+from minillm.engine.parallel import TensorParallel
 from minillm.engine.quantization import check_quantization, check_shapes, quantize_model
 
 WEIGHT_CHOICES = ("auto", "random")
@@ -38,7 +39,8 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 def load_model(model: str | Path | ModelConfig, device: torch.device | str | None = None,
                dtype: torch.dtype | None = None, weights: str = "auto", quantization: str | None = None,
-               group_size: int = 32) -> Transformer:
+               group_size: int = 32, tensor_parallel: TensorParallel = TensorParallel(),
+               tokenizer: bool = True) -> Transformer:
     """A ready ``Transformer`` (eval mode, no gradients) with ``.config``, ``.tokenizer`` and
     ``.quantization``.
 
@@ -61,23 +63,25 @@ def load_model(model: str | Path | ModelConfig, device: torch.device | str | Non
     checkpoint = _open_checkpoint(source, config) if weights == "auto" else None
     dtype = dtype if dtype is not None else _default_dtype(config, device)
 
+    tp = tensor_parallel
     with torch.device("meta"):
-        net = Transformer(config)
+        net = Transformer(config, tp)
+        full = net if tp.size == 1 else Transformer(config)  # the names and shapes to check and cut
     if checkpoint is not None:
-        _check_checkpoint(net, checkpoint.shapes(), source)
+        _check_checkpoint(full, checkpoint.shapes(), source)
     _allocate_weights(net.eval(), device, dtype)
     with torch.no_grad():
         if checkpoint is not None:
             params = dict(net.named_parameters(remove_duplicate=False))
             for name, tensor in checkpoint.tensors(device):
-                params[name].copy_(tensor)
+                params[name].copy_(tp.shard(name, tensor, config))
         else:
-            _init_random(net, device)
+            _init_random(net, full, device)
     if quantization is not None:
         quantize_model(net, quantization, group_size)
         _own_storage(net)
     net.quantization = None if quantization is None else (quantization, group_size)
-    net.tokenizer = _load_tokenizer(source)
+    net.tokenizer = _load_tokenizer(source) if tokenizer else None
     return net
 
 
@@ -264,16 +268,24 @@ def _ask_for_huge_pages(buffer: torch.Tensor) -> None:
         ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
 
 
-def _init_random(net: Transformer, device: torch.device) -> None:
-    """Normal(0, 0.02) matrices and embeddings, zero biases, unit norms; seeded."""
+def _init_random(net: Transformer, full: Transformer, device: torch.device) -> None:
+    """Normal(0, 0.02) matrices and embeddings, zero biases, unit norms; seeded. A tensor-parallel
+    shard draws each full tensor (``full``: the whole model on the meta device) and keeps its slice."""
     generator = torch.Generator(device=device).manual_seed(0)
-    for module in net.modules():
+    local = dict(net.named_modules())
+    for name, module in full.named_modules():
         if isinstance(module, RMSNorm):
-            module.weight.fill_(1.0)
+            local[name].weight.fill_(1.0)
         elif isinstance(module, (nn.Linear, nn.Embedding, Router)):
-            module.weight.normal_(0.0, RANDOM_STD, generator=generator)
-            if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
+            weight = local[name].weight
+            if module is local[name]:
+                weight.normal_(0.0, RANDOM_STD, generator=generator)
+            else:
+                drawn = torch.empty(module.weight.shape, dtype=weight.dtype, device=device)
+                weight.copy_(net.tp.shard(f"{name}.weight", drawn.normal_(0.0, RANDOM_STD, generator=generator),
+                                          full.config))
+            if getattr(local[name], "bias", None) is not None:
+                local[name].bias.zero_()
 
 
 def _load_tokenizer(source: Path | None):

@@ -23,6 +23,7 @@ from minillm.engine.attention_metadata import AttentionMetadata
 from minillm.engine.config import ModelConfig
 from minillm.engine.kernels import (default_backend, paged_decode_attention,
                                     paged_prefill_attention, store_kv)
+from minillm.engine.parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -203,10 +204,12 @@ class MoE(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)); the MLP is an ``MoE`` in
-    Mixtral (named ``block_sparse_moe`` there) and Qwen3-MoE (``mlp``)."""
+    Mixtral (named ``block_sparse_moe`` there) and Qwen3-MoE (``mlp``). Under tensor parallelism
+    each half ends with the all-reduce of the ranks' partial sums."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -214,31 +217,36 @@ class DecoderLayer(nn.Module):
         setattr(self, self.mlp_name, MoE(config) if config.is_moe else MLP(config))
 
     def forward(self, x, cos, sin, attn, k_cache, v_cache, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, k_cache, v_cache, backend)
-        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
+        x = x + self.tp.all_reduce(self.self_attn(self.input_layernorm(x), cos, sin, attn, k_cache,
+                                                  v_cache, backend))
+        return x + self.tp.all_reduce(getattr(self, self.mlp_name)(self.post_attention_layernorm(x)))
 
 
 class DecoderStack(nn.Module):
     """Embeddings, the layers and the final norm: Hugging Face's ``model.*`` prefix."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.embed_tokens = nn.Embedding(tp.vocab_rows(config.vocab_size)[1], config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class Transformer(nn.Module):
-    """The whole model: ``forward`` gives hidden states, ``compute_logits`` the next-token scores."""
+    """The whole model: ``forward`` gives hidden states, ``compute_logits`` the next-token scores.
 
-    def __init__(self, config: ModelConfig):
+    ``tp``: the shard of a tensor-parallel rank (``minillm.engine.parallel``); ``config`` is then
+    the shape this rank holds (its heads, KV heads and MLP width; the vocabulary stays whole)."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = TensorParallel()):
         super().__init__()
-        self.config = config
+        self.tp = tp
+        self.config = config = tp.shard_config(config)
         self.tokenizer = None  # set by the loader when the checkpoint ships one
         self.quantization = None  # (method, group_size) when the loader quantized the linears
-        self.model = DecoderStack(config)
+        self.model = DecoderStack(config, tp)
         self.rotary = RotaryEmbedding(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, tp.vocab_rows(config.vocab_size)[1], bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -260,7 +268,7 @@ class Transformer(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of the flat batch ``input_ids`` [T] at ``positions`` [T];
         ``num_layers``: through the first layers only (then the final norm), a draft of the model."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.tp.embed(self.model.embed_tokens, input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         backend = default_backend(x)
         layers = self.model.layers[:num_layers]
@@ -271,4 +279,4 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[N, vocab]`` in float32 for hidden states ``[N, hidden]``."""
-        return self.lm_head(hidden).float()
+        return self.tp.gather_logits(self.lm_head(hidden).float(), self.config.vocab_size)

@@ -29,11 +29,14 @@ class ModelRunner:
     """The model, its paged KV cache, its decode graphs and the requests' seeded random generators.
 
     Decode graphs: ``config.cuda_graph_sizes`` if given (off CUDA they run eagerly on the same padded
-    inputs), else vLLM's ladder up to ``max_num_seqs`` on CUDA; none with ``enforce_eager``."""
+    inputs), else vLLM's ladder up to ``max_num_seqs`` on CUDA; none with ``enforce_eager`` or under
+    tensor parallelism, where ``workers`` (``minillm.engine.parallel.Workers``) get each step's
+    inputs by broadcast and run the same forward on their shards."""
 
-    def __init__(self, model: Transformer, kv_cache: PagedKVCache, config: EngineConfig):
+    def __init__(self, model: Transformer, kv_cache: PagedKVCache, config: EngineConfig, workers=None):
         self.model = model
         self.kv = kv_cache
+        self.workers = workers
         self.device = model.device
         self.generators: dict[str, torch.Generator] = {}  # per-request seeded RNGs
         # compile before any timed step: the attention kernels, and the quantized linears' matmuls
@@ -45,7 +48,8 @@ class ModelRunner:
             raise ValueError(f"{model.config.name}: an MoE model's step cannot be captured in a CUDA "
                              f"graph (its experts' shapes follow the routing); drop cuda_graph_sizes")
         if sizes is None:
-            sizes = graph_sizes(config.max_num_seqs) if self.device.type == "cuda" and not moe_on_cuda else []
+            sizes = (graph_sizes(config.max_num_seqs) if self.device.type == "cuda" and not moe_on_cuda
+                     and workers is None else [])
         self.decode_graphs = DecodeGraphs(model, kv_cache, [] if config.enforce_eager else list(sizes))
         spec = config.speculative_config
         self.draft = LayerDraft(model, kv_cache, spec) if spec is not None and spec.method == "draft_layers" else None
@@ -79,6 +83,9 @@ class ModelRunner:
                 last_rows += range(len(input_ids) - len(proposed) - 1, len(input_ids))
                 sampled_requests.append(request)
         input_ids, positions, attn = self.kv.prepare_inputs(batch, input_ids)
+        if self.workers is not None:
+            self.workers.broadcast_step(input_ids, attn, last_rows if sampled_requests else [],
+                                        output.blocks_to_swap_out, output.blocks_to_swap_in)
         if attn.max_query_len == 1 and self.decode_graphs.holds(len(batch)):
             hidden = self.decode_graphs.run(input_ids, positions, attn)
         else:

@@ -36,6 +36,7 @@ from minillm.engine.loader import load_model, torch_dtype
 from minillm.engine.memory_plan import MemoryPlan
 from minillm.engine.model import Transformer
 from minillm.engine.paged_cache import PagedKVCache
+from minillm.engine.parallel import TensorParallel
 from minillm.engine.quantization import check_shapes, quantize_model
 from minillm.engine.sampling import SamplingParams, sample
 from minillm.engine.units import GiB, ceil_div, fmt_bytes, parse_size
@@ -204,6 +205,8 @@ def plan(model, device=None, dtype=None, gpu_memory=None, engine_config: EngineC
     ``memory_limit`` (``"512MiB"``): profile on ``device`` as if it held only that much; required
     on the CPU, which has no card size of its own. Otherwise: profile the whole CUDA device.
     ``max_model_len``: None = the model's max positions; -1 = the longest that fits.
+    ``tensor_parallel_size`` N > 1: the plan of one rank's card (its shard of the weights, its
+    KV heads); a loaded shard plans as it is, a dry run builds rank 0's shard on the meta device.
     Raises ``MemoryPlanError`` (a ``ValueError``) when the weights, the step or one request of
     ``max_model_len`` do not fit; its message names the longest length that would.
     """
@@ -224,6 +227,11 @@ def plan(model, device=None, dtype=None, gpu_memory=None, engine_config: EngineC
     dtype = torch_dtype(dtype)
     cfg = (model.config if isinstance(model, Transformer) else
            model if isinstance(model, ModelConfig) else load_config(model))
+    # a loaded model is one rank's shard already; otherwise plan rank 0's
+    tp = TensorParallel() if isinstance(model, Transformer) else TensorParallel(0, config.tensor_parallel_size)
+    if tp.size > 1 and gpu_memory is None:
+        raise ValueError(f"tensor_parallel_size={tp.size}: profile through LLMEngine (its ranks "
+                         f"profile together), or give gpu_memory for a dry run")
     check_max_model_len(config.max_model_len, cfg.max_position_embeddings)
 
     num_tokens = config.max_num_batched_tokens
@@ -231,12 +239,12 @@ def plan(model, device=None, dtype=None, gpu_memory=None, engine_config: EngineC
     rows_per_seq = 1 if spec is None else spec.num_speculative_tokens + 1
     num_seqs = min(config.max_num_seqs * rows_per_seq, num_tokens)  # the step with the most sampled rows
     if gpu_memory is not None:
-        measured = _dry_run(cfg, dtype, gpu_memory, num_tokens, num_seqs, config)
+        measured = _dry_run(cfg, tp, dtype, gpu_memory, num_tokens, num_seqs, config)
     else:
         measured = _profile(model, device, dtype, config, num_tokens, num_seqs)
     kv_dtype = kv_storage_dtype(config.kv_cache_dtype, measured.pop("torch_dtype"))
     result = MemoryPlan.cut(utilization=config.gpu_memory_utilization, block_size=config.block_size,
-                            bytes_per_block=config.block_size * kv_bytes_per_token(cfg, kv_dtype),
+                            bytes_per_block=config.block_size * kv_bytes_per_token(tp.shard_config(cfg), kv_dtype),
                             max_model_len=None if config.max_model_len == -1 else config.max_model_len,
                             max_position_embeddings=cfg.max_position_embeddings, model=cfg.name,
                             max_num_batched_tokens=num_tokens, quantization=weight_format(config),
@@ -244,19 +252,21 @@ def plan(model, device=None, dtype=None, gpu_memory=None, engine_config: EngineC
     return result.checked(config.max_model_len)
 
 
-def _dry_run(cfg: ModelConfig, dtype, card_bytes: int, num_tokens: int, num_seqs: int,
+def _dry_run(cfg: ModelConfig, tp: TensorParallel, dtype, card_bytes: int, num_tokens: int, num_seqs: int,
              config: EngineConfig) -> dict:
-    """Weights from a model built (and quantized, if asked) on the meta device, the activation
-    peak from the formula and the memory outside PyTorch from ``DRY_RUN_OUTSIDE_TORCH_BYTES``."""
+    """Weights from a model (``tp``'s shard) built (and quantized, if asked) on the meta device,
+    the activation peak from the formula and the memory outside PyTorch from
+    ``DRY_RUN_OUTSIDE_TORCH_BYTES``."""
     dtype = dtype or torch_dtype(cfg.torch_dtype)
     check_shapes(cfg, config.quantization, config.group_size)
     with torch.device("meta"):
-        model = Transformer(cfg).to(dtype)
+        model = Transformer(cfg, tp).to(dtype)
         if config.quantization is not None:
             quantize_model(model, config.quantization, config.group_size)
-    return dict(device=f"{fmt_bytes(card_bytes)} card (dry run)", dtype=_dtype_name(dtype), torch_dtype=dtype,
-                total_bytes=card_bytes, weight_bytes=model_bytes(model),
-                activation_peak_bytes=activation_estimate(cfg, num_tokens, num_seqs, dtype),
+    ranks = f", 1 of {tp.size} tensor-parallel ranks" if tp.size > 1 else ""
+    return dict(device=f"{fmt_bytes(card_bytes)} card (dry run{ranks})", dtype=_dtype_name(dtype),
+                torch_dtype=dtype, total_bytes=card_bytes, weight_bytes=model_bytes(model),
+                activation_peak_bytes=activation_estimate(model.config, num_tokens, num_seqs, dtype),
                 other_bytes=DRY_RUN_OUTSIDE_TORCH_BYTES, source="estimated")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minillm.engine.config import ModelConfig
+from minillm.engine.config import ModelConfig, tensor_parallel_shard
 from minillm.engine.memory_plan import MemoryPlan
 from minillm.engine.units import (GB, KiB, GiB, MiB, ceil_div, fmt_bytes,  # noqa: F401 (the ledger's units)
                                   fmt_int, parse_size)
@@ -409,3 +409,99 @@ def memory_budget(cfg: ModelConfig, gpu_memory, utilization: float = 0.92, dtype
 def paged_waste_tokens(lengths, block_size: int) -> int:
     """Slots allocated but unused when each request takes whole blocks: < one block each."""
     return sum(ceil_div(n, block_size) * block_size - n for n in lengths)
+
+
+# --- Tensor parallelism (chapter 一张卡放不下) ------------------------------------------------------
+
+def card_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The shape one card of ``tp`` holds, as the engine cuts it (``minillm.engine.parallel``):
+    its heads, KV heads (replicated beyond the model's) and MLP width, and its rows of the
+    embedding and the output layer (the vocabulary padded to a multiple of ``tp``). Counting this
+    shape with the ledger above gives one card's weights, KV, FLOPs and bytes."""
+    return tensor_parallel_shard(cfg, tp).replace(vocab_size=ceil_div(cfg.vocab_size, tp))
+
+
+def weight_bytes_per_card(cfg: ModelConfig, tp: int, dtype="bf16") -> int:
+    """Weight bytes on each card: 1/tp of every split matrix, the norms (and the o and down
+    biases) whole."""
+    return weight_bytes(card_config(cfg, tp), dtype)
+
+
+def kv_bytes_per_token_per_card(cfg: ModelConfig, tp: int, dtype="bf16") -> int:
+    """One token's K and V on each card: its ``max(1, n_kv / tp)`` KV heads in every layer, so
+    beyond ``tp = n_kv`` a card's KV per token stops shrinking."""
+    return kv_bytes_per_token(card_config(cfg, tp), dtype)
+
+
+def allreduces_per_token(cfg: ModelConfig) -> int:
+    """All-reduces a forward makes per layer pass: two per layer, after the attention's output
+    projection and after the MLP's down projection (the embedding's one per step not counted)."""
+    return 2 * cfg.num_layers
+
+
+def allreduce_message_bytes(cfg: ModelConfig, tokens: int = 1, dtype="bf16") -> int:
+    """Bytes of one all-reduce's message: the ``[tokens, hidden]`` partial sums."""
+    return tokens * cfg.hidden_size * dtype_bytes(dtype)
+
+
+def ring_bytes_per_card(nbytes: float, tp: int) -> float:
+    """Bytes each card sends (and receives) in a ring all-reduce of ``nbytes``: 2 (tp − 1) / tp of
+    them (a reduce-scatter, then an all-gather)."""
+    return 2 * (tp - 1) / tp * nbytes
+
+
+@dataclass(frozen=True)
+class AllReduceCost:
+    """The α–β model of one all-reduce: ``latency`` seconds per call (α, whatever the size) plus
+    each card's ring bytes over the link's ``bandwidth`` (β, bytes/s per direction)."""
+
+    latency: float
+    bandwidth: float
+
+    def seconds(self, nbytes: float, tp: int) -> float:
+        """One all-reduce of ``nbytes`` across ``tp`` cards (0 on one card)."""
+        if tp == 1:
+            return 0.0
+        return self.latency + ring_bytes_per_card(nbytes, tp) / self.bandwidth
+
+    def latency_share(self, nbytes: float, tp: int) -> float:
+        """Share of one all-reduce's time that is α, the per-call latency."""
+        return self.latency / self.seconds(nbytes, tp)
+
+
+@dataclass(frozen=True)
+class TensorParallelDecode:
+    """One decode step on ``tp`` cards: each card's floor ``max(F/P, M/W)`` over its shard, then
+    the step's all-reduces one after another (none overlapped with compute)."""
+
+    tp: int
+    card: DecodeEstimate  # one card's share of the step
+    floor: Floor  # one card's roofline floor
+    num_allreduces: int  # per step
+    allreduce_bytes: int  # one message
+    allreduce_seconds: float  # all of the step's, α–β
+
+    @property
+    def seconds(self) -> float:
+        return self.floor.seconds + self.allreduce_seconds
+
+    @property
+    def allreduce_share(self) -> float:
+        """Share of the step the all-reduces take."""
+        return self.allreduce_seconds / self.seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.card.batch / self.seconds
+
+
+def tensor_parallel_decode(cfg: ModelConfig, tp: int, batch: int, ctx: int, peak_flops: float,
+                           bandwidth: float, link: AllReduceCost, dtype="bf16") -> TensorParallelDecode:
+    """The decode floor of ``batch`` requests at context ``ctx`` on ``tp`` cards of ``peak_flops``
+    and ``bandwidth``, joined by ``link``: each card reads its shard of the weights and KV and
+    computes its share of the FLOPs, then waits for ``2 L`` all-reduces of ``batch × hidden``."""
+    card = decode_step(card_config(cfg, tp), batch, ctx, bandwidth, dtype)
+    message = allreduce_message_bytes(cfg, batch, dtype)
+    count = allreduces_per_token(cfg) if tp > 1 else 0
+    return TensorParallelDecode(tp, card, card.floor(peak_flops), count, message,
+                                count * link.seconds(message, tp))

@@ -368,6 +368,18 @@ def serve(model, *, host: str, port: int, max_queue: int | None, shutdown_timeou
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     engine = LLMEngine(model, device=device, dtype=dtype, weights=weights, log_limit=LOG_LIMIT,
                        **engine_args)
+    try:
+        _serve_engine(engine, model, host, port, max_queue, shutdown_timeout, served_model_name,
+                      api_key, access_log)
+    finally:
+        engine.close()  # a tensor-parallel engine's ranks end with the server
+    return 0
+
+
+def _serve_engine(engine: LLMEngine, model, host: str, port: int, max_queue: int | None,
+                  shutdown_timeout: float, served_model_name: str | None, api_key: str | None,
+                  access_log: bool) -> None:
+    """Serve ``engine`` with uvicorn until a signal, then drain it."""
     name = served_model_name or str(model)
     async_engine = AsyncEngine(engine, name, max_queue)
     app = build_app(async_engine, name, api_key)
@@ -383,7 +395,6 @@ def serve(model, *, host: str, port: int, max_queue: int | None, shutdown_timeou
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     asyncio.run(_serve_until_signal(server, async_engine, shutdown_timeout))
-    return 0
 
 
 async def _serve_until_signal(server: uvicorn.Server, async_engine: AsyncEngine,

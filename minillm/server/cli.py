@@ -14,7 +14,7 @@ from minillm.engine.engine_config import add_quantization_options
 ENGINE_OPTIONS = ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
                   "max_num_batched_tokens", "gpu_memory_utilization", "memory_limit",
                   "enable_chunked_prefill", "quantization", "group_size", "kv_cache_dtype",
-                  "speculative_config")
+                  "speculative_config", "tensor_parallel_size")
 MAX_QUEUE = 1024  # requests that may wait for their first step
 SHUTDOWN_TIMEOUT_S = 10.0  # on SIGTERM/SIGINT, what in-flight requests get to finish
 
@@ -46,6 +46,8 @@ def add_cli(subparsers) -> None:
                      help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", '
                           '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\' or \'{"method": '
                           '"draft_layers", "num_draft_layers": 20, "num_speculative_tokens": 3}\'')
+    cmd.add_argument("--tensor-parallel-size", type=int,
+                     help="ranks (one process and device each) that split every layer (default 1)")
     cmd.add_argument("--served-model-name", help="the name clients ask for (default: MODEL as given)")
     cmd.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     cmd.add_argument("--max-queue", type=int, default=MAX_QUEUE,
