@@ -1,4 +1,4 @@
-"""The diagnosis chapter's kit (minillm.lab.chapters.ch13_diagnose): the lab's scenarios as the
+"""The diagnosis chapter's kit (minillm.lab.chapters.ch14_diagnose): the lab's scenarios as the
 engine schedules them, and the page's ledger of tensor parallelism,
 each step a floor max(F/P, M/W)."""
 import functools
@@ -9,7 +9,7 @@ import torch
 from minillm.engine.config import ModelConfig, load_config
 from minillm.engine.loader import load_model
 from minillm.lab import estimate as L
-from minillm.lab.chapters import ch13_diagnose as ch11
+from minillm.lab.chapters import ch14_diagnose as ch11
 from minillm.lab.notebook import Lab
 
 

@@ -1,4 +1,4 @@
-"""The diagnosis chapter's plumbing (``book/ch13-diagnose.md``, ``notebooks/ch13-diagnose.ipynb``,
+"""The diagnosis chapter's plumbing (``book/ch14-diagnose.md``, ``notebooks/ch14-diagnose.ipynb``,
 chapter 先问瓶颈，再换框架).
 
 Two halves, out of the reader's way. The lab's: three serving scenarios built to hit one wall each,
