@@ -3,19 +3,16 @@ chapter 先问瓶颈，再换框架).
 
 Two halves, out of the reader's way. The lab's: three serving scenarios built to hit one wall each,
 run, recorded (``records.save_run``) and read back by ``minillm.lab.diagnose``; their tables and
-figure in Chinese; :func:`glue_chapter`. The page's: the ledger of tensor parallelism, which breaks
-the book's one-card default (quantization, mixture of experts and speculative decoding have their own
-chapters), a floor ``max(F/P, M/W)`` on a datasheet's two ceilings (:func:`tensor_parallel`, and
-:func:`page_numbers`, which the page glues).
+figure in Chinese; :func:`glue_chapter`. The page's: :func:`page_numbers`, which it glues (tensor
+parallelism, quantization, mixture of experts and speculative decoding have their own chapters).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minillm.engine.config import ModelConfig, load_config
+from minillm.engine.config import load_config
 from minillm.lab import estimate as L
-from minillm.lab.estimate import GB, GiB, Floor, fmt_int, roofline_floor
-from minillm.lab.gpus import lookup_gpu
+from minillm.lab.estimate import fmt_int
 from minillm.lab.notebook import ms
 
 SYMPTOM_ZH = {"first_token": "首字慢", "tokens": "出字慢", "failure": "直接失败"}
@@ -292,67 +289,15 @@ def glue_chapter(r: dict) -> None:
     g("client_extra_ttft", ms(view.extra_ttft) if view.extra_ttft is not None else "—")
 
 
-# --- The page: where the book's model stops holding ------------------------------------------------
-
-SCENE_GPU, CTX = "H100 SXM", 1024
-
-# Llama-3.1-70B's shape, from its public config.json
-LLAMA_70B = dict(name="llama-3.1-70b-shape", model_type="llama", vocab_size=128256, hidden_size=8192,
-                 intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
-                 max_position_embeddings=131072)
-
-
-def allreduce_bytes_per_token(cfg: ModelConfig, tp: int, dtype="bf16") -> float:
-    """Bytes each GPU sends per token per step: two all-reduces per layer (after attention and
-    after the MLP), a ring all-reduce moving 2 (tp - 1) / tp of the H-wide activation."""
-    return cfg.num_layers * 2 * 2 * (tp - 1) / tp * cfg.hidden_size * L.dtype_bytes(dtype)
-
-
-@dataclass(frozen=True)
-class TensorParallel:
-    """One card of ``tp`` under tensor parallelism, decoding ``batch`` requests at ``ctx``."""
-
-    name: str
-    tp: int
-    weight_bytes: float  # per card
-    kv_bytes_per_token: float  # per card: KV heads split up to n_kv, replicated beyond
-    fits: bool
-    step: Floor  # per card: 1/tp of the FLOPs, its share of the weights and KV
-    allreduce_bytes: float  # per card per step
-    syncs: int  # all-reduces per step
-
-
-def tensor_parallel(cfg: ModelConfig, tp: int, gpu: str = SCENE_GPU, batch: int = 1, ctx: int = CTX,
-                    utilization: float = 0.92) -> TensorParallel:
-    spec = lookup_gpu(gpu)
-    whole = L.decode_step(cfg, batch, ctx, spec.bandwidth)
-    kv_share = min(tp, cfg.num_kv_heads)
-    weights = L.weight_bytes(cfg) / tp
-    step = roofline_floor(whole.flops / tp, weights + whole.kv_read_bytes / kv_share, spec.bf16_flops, spec.bandwidth)
-    return TensorParallel(cfg.name, tp, weights, L.kv_bytes_per_token(cfg) / kv_share,
-                          weights < utilization * spec.memory_bytes, step,
-                          batch * allreduce_bytes_per_token(cfg, tp), 2 * cfg.num_layers if tp > 1 else 0)
-
-
-TP_SIZES = (1, 2, 4, 8)
-
+# --- The page ------------------------------------------------------------------------------------
 
 def page_numbers() -> dict[str, str]:
-    """Every number the page quotes, under its glue key (estimates from configs and datasheets)."""
+    """Every number the page quotes, under its glue key (thresholds of the diagnosis, and the
+    tensor-parallel gain in KV of two 24 GiB cards from chapter 13's ledger)."""
+    from minillm.lab.chapters.ch13_parallel import kv_tokens_left
     from minillm.lab.diagnose import COMPUTE_TIME_SHARE, FIRST_TOKEN_SHARE, KV_BLOCKED_SHARE
-    from minillm.lab.report import floor_words
 
-    out = {"kv_blocked_share": f"{KV_BLOCKED_SHARE:.0%}", "compute_time_share": f"{COMPUTE_TIME_SHARE:.0%}",
-           "first_token_share": f"{FIRST_TOKEN_SHARE:.0%}", "ctx": fmt_int(CTX), "h100": lookup_gpu(SCENE_GPU).name}
-
-    cfg, big = load_config("llama-3.1-8b"), ModelConfig(**LLAMA_70B)
-    budget = 24 * GiB * 0.92
-    tp2 = (budget - L.weight_bytes(cfg) / 2) / (L.kv_bytes_per_token(cfg) / 2)
-    tp1 = (budget - L.weight_bytes(cfg)) / L.kv_bytes_per_token(cfg)
-    tp4 = tensor_parallel(big, 4)
-    out.update(tp2_gain=f"{tp2 / tp1:.1f}", big_gb=f"{L.weight_bytes(big) / GB:.0f} GB",
-               big_params=f"{L.param_count(big) / 1e9:.1f}B", big_syncs=str(2 * big.num_layers),
-               big_tp4_gb=f"{tp4.weight_bytes / GB:.1f} GB", big_tp4_floor=floor_words(tp4.step),
-               big_tp4_ar=f"{tp4.allreduce_bytes / 2**20:.2f} MiB", big_kv_heads=str(big.num_kv_heads),
-               tp_min_big=str(next(tp for tp in TP_SIZES if tensor_parallel(big, tp).fits)))
-    return out
+    cfg = load_config("llama-3.1-8b")
+    gain = kv_tokens_left(cfg, 2, 24) / kv_tokens_left(cfg, 1, 24)
+    return {"kv_blocked_share": f"{KV_BLOCKED_SHARE:.0%}", "compute_time_share": f"{COMPUTE_TIME_SHARE:.0%}",
+            "first_token_share": f"{FIRST_TOKEN_SHARE:.0%}", "tp2_gain": f"{gain:.1f}"}

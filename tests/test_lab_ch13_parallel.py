@@ -1,0 +1,73 @@
+"""The tensor-parallelism chapter's kit (minillm.lab.chapters.ch13_parallel): the ledger of Llama-3.1-8B
+and 70B on 1/2/4/8 cards, where adding a card stops paying on each example link, the α–β fit, and
+the engine really run at tp=1 and tp=2 (gloo processes) with its all-reduces counted and timed."""
+import pytest
+
+from minillm.engine.config import load_config
+from minillm.lab import estimate as L
+from minillm.lab.chapters import ch13_parallel as ch13
+from minillm.lab.estimate import AllReduceCost, GiB, KiB
+from minillm.lab.gpus import lookup_gpu
+
+B8, B70 = load_config("llama-3.1-8b"), load_config("llama-3.1-70b")
+H100 = lookup_gpu("H100 SXM")
+NVLINK, PCIE = ch13.LINKS["NVLink 类"], ch13.LINKS["PCIe 类"]
+
+
+def test_which_card_counts_hold_the_weights():
+    rows = {(r[0], r[1]): r for r in ch13.card_rows(ch13.models())}
+    assert rows[("llama-3.1-70b", 1)][4:] == ["放不下", "放不下"]
+    assert rows[("llama-3.1-70b", 2)][4] == "放不下" and rows[("llama-3.1-70b", 2)][5] != "放不下"
+    assert rows[("llama-3.1-70b", 8)][4] != "放不下"  # 8 × 24 GiB hold 70B
+    assert rows[("llama-3.1-8b", 1)][2] == "15.0 GiB" and rows[("llama-3.1-8b", 8)][3] == "16 KiB"
+    # the tokens a card holds: its budget less its weights, over its KV per token
+    left = 0.92 * 80 * GiB - L.weight_bytes_per_card(B70, 2)
+    assert ch13.kv_tokens_left(B70, 2, 80) == int(left // (80 * 2 * 4 * 128 * 2))
+    assert ch13.kv_tokens_left(B70, 1, 80) == 0
+
+
+def test_allreduces_per_token_and_their_bytes():
+    rows = ch13.allreduce_rows(ch13.models())
+    assert rows[0][:5] == ["llama-3.1-8b", 2, 64, "8 KiB", "8.0 KiB"]
+    assert rows[1][:5] == ["llama-3.1-8b", 8, 64, "8 KiB", "14.0 KiB"]  # 2·7/8 of 8 KiB
+    assert rows[2][2:4] == [160, "16 KiB"]
+    # at one token, α is nearly all of an all-reduce on either link
+    assert NVLINK.latency_share(8 * KiB, 8) > 0.99 and PCIE.latency_share(8 * KiB, 8) > 0.95
+
+
+def test_where_adding_a_card_stops_paying():
+    # NVLink-like: every doubling still shortens the 8B step; PCIe-like: tp=2 is already slower
+    assert ch13.last_paying(B8, NVLINK, H100) == 8
+    assert ch13.last_paying(B8, PCIE, H100) == 1
+    two, one = ch13.decode(B8, 2, PCIE, H100), ch13.decode(B8, 1, PCIE, H100)
+    assert two.seconds > one.seconds
+    assert two.allreduce_seconds == pytest.approx(64 * (40e-6 + 8 * KiB / 20e9))
+    assert ch13.decode(B70, 8, NVLINK, H100).floor.seconds == pytest.approx(
+        ch13.decode(B70, 1, NVLINK, H100).floor.seconds / 8, rel=0.01)
+
+
+def test_fit_link_recovers_alpha_and_beta():
+    truth = AllReduceCost(latency=50e-6, bandwidth=2e9)
+    points = {n: truth.seconds(n, 2) for n in (2 * KiB, 64 * KiB, 1024 * KiB)}
+    fitted = ch13.fit_link(points)
+    assert fitted.latency == pytest.approx(50e-6) and fitted.bandwidth == pytest.approx(2e9)
+    with pytest.raises(ValueError, match="does not grow"):
+        ch13.fit_link({2 * KiB: 1e-3, 64 * KiB: 1e-4})
+    with pytest.raises(ValueError, match="multiple of 4"):
+        ch13.allreduce_sweep((2 * KiB, 3))
+
+
+def test_the_allreduce_sweep_between_two_gloo_processes():
+    points = ch13.allreduce_sweep((4 * KiB, 4096 * KiB), repeats=5)
+    assert list(points) == [4 * KiB, 4096 * KiB] and points[4096 * KiB] > points[4 * KiB] > 0
+
+
+def test_the_engine_at_tp1_and_tp2():
+    cfg = ch13.LAB_MODEL.replace(name="tp-test", num_layers=2, hidden_size=128, intermediate_size=256,
+                                 num_heads=4, num_kv_heads=2, head_dim=32, vocab_size=256)
+    one, two = (ch13.run_engine(tp, cfg, batch=2, prompt=8, tokens=6) for tp in (1, 2))
+    assert one.steps == two.steps == 6 and one.allreduce_calls == 0 and one.allreduce_share == 0
+    assert two.allreduces_per_step == 2 * 2 + 1  # two per layer and the embedding's
+    assert 0 < two.allreduce_share < 1 and two.step_seconds > 0
+    link = AllReduceCost(latency=1e-4, bandwidth=1e9)
+    assert ch13.estimated_allreduce_per_step(two, link, cfg) == pytest.approx(5 * (1e-4 + 2 * 128 * 4 / 1e9))
