@@ -340,14 +340,14 @@ def glue_chapter(r: dict) -> None:
     g("lab_sweep_lo", f"{min(points) / KiB:,.0f} KiB")
     g("lab_sweep_hi", f"{max(points) / KiB:,.0f} KiB")
     small = min(points)
-    g("lab_small_alpha_share", f"{link.latency_share(small, 2):.0%}")
+    g("lab_small_alpha_share", f"{link.latency_share(small, 2):.1%}")
     estimate = estimated_allreduce_per_step(two, link)
     g("lab_est_step_ms", ms(estimate))
     g("lab_est_share", f"{estimate / two.step_seconds:.0%}")
     g("lab_est_x", f"{two.allreduce_per_step / estimate:.1f}")
     g("lab_est_vs_measured", choose(
         two.allreduce_per_step > 1.5 * estimate,
-        "引擎里量到的 all-reduce 时间比 α–β 估算的长得多：估算只算消息本身，引擎里 rank 0 每次还要等 rank 1 算完它那一半才能开始交换。",
+        "引擎里量到的 all-reduce 时间比 α–β 估算的长得多：估算只算消息本身；引擎里 rank 0 每次还要等 rank 1 算完它那一半才能开始交换，两个进程又在抢同几颗核。",
         "引擎里量到的 all-reduce 时间和 α–β 估算相差不到一半：在这台机器上，一次 all-reduce 的时间几乎就是消息本身的时间。"))
     g("lab_latency_bound", choose(
         link.latency_share(L.allreduce_message_bytes(cfg, LAB_BATCH, "float32"), 2) > 0.5,
