@@ -61,6 +61,8 @@ class LLMEngine:
     def _build(self, model, device, dtype, weights, config: EngineConfig) -> None:
         """The model (this rank's shard), the plan, the KV pool, the scheduler and the runner."""
         workers = self.workers
+        if workers:
+            device = workers.device  # rank 0's, as _start_workers settled it
         self.model = _load(model, device, dtype, weights, config, workers.tp if workers else TensorParallel())
         if workers:
             workers.wait_loaded()
@@ -279,7 +281,5 @@ def _load(model, device, dtype, weights, config: EngineConfig, tp: TensorParalle
                              f"{'not quantized' if model.quantization is None else model.quantization}: "
                              f"load it with load_model(..., quantization=...)")
         return model
-    if tp.size > 1 and device is not None:
-        device = torch.device("cuda", 0) if torch.device(device).type == "cuda" else device
     return load_model(model, device=device, dtype=dtype, weights=weights,
                       quantization=config.quantization, group_size=config.group_size, tensor_parallel=tp)

@@ -69,9 +69,8 @@ class ModelRunner:
         tokens are now all computed (a finished prompt or a decode): its next token, or with
         proposed tokens those of them the target accepts and one more."""
         self.kv.swap(output.blocks_to_swap_out, output.blocks_to_swap_in)
-        if self.draft is not None and output.num_draft_tokens:
-            self.draft_probs = self.draft.propose([r for r, _ in output.scheduled if r.num_spec_tokens],
-                                                  self.generators)
+        self.draft_probs = (self.draft.propose([r for r, _ in output.scheduled if r.num_spec_tokens], self.generators)
+                            if self.draft is not None and output.num_draft_tokens else {})
         batch, input_ids, last_rows, sampled_requests = [], [], [], []
         for request, num_new in output.scheduled:
             start, proposed = request.num_computed_tokens, request.spec_token_ids
