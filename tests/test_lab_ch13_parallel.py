@@ -2,6 +2,7 @@
 and 70B on 1/2/4/8 cards, where adding a card stops paying on each example link, the α–β fit, and
 the engine really run at tp=1 and tp=2 (gloo processes) with its all-reduces counted and timed."""
 import pytest
+import torch
 
 from minillm.engine.config import load_config
 from minillm.lab import estimate as L
@@ -60,6 +61,16 @@ def test_fit_link_recovers_alpha_and_beta():
 def test_the_allreduce_sweep_between_two_gloo_processes():
     points = ch13.allreduce_sweep((4 * KiB, 4096 * KiB), repeats=5)
     assert list(points) == [4 * KiB, 4096 * KiB] and points[4096 * KiB] > points[4 * KiB] > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine can run the NCCL half")
+def test_the_nccl_half_is_refused_without_two_gpus():
+    for run in (lambda: ch13.run_engine(2, device="cuda"), lambda: ch13.allreduce_sweep(device="cuda")):
+        with pytest.raises(ValueError, match="need two GPUs, this machine has"):
+            run()
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        ch13.lab_device("meta")
+    assert ch13.lab_device("cpu") == torch.device("cpu")
 
 
 def test_the_engine_at_tp1_and_tp2():

@@ -5,9 +5,9 @@ Two halves. The page's: the ledger of Llama-3.1-8B and 70B cut across 1/2/4/8 ca
 (``minillm.lab.estimate``'s tensor-parallel section: weights and KV per card, the all-reduces a token
 makes and their bytes, the α–β cost of one, each card count's decode floor plus its all-reduces) for
 two example links. The lab's: a small Llama with random weights run by the engine at
-``tensor_parallel_size`` 1 and 2 (gloo processes on the CPU), the step time and the all-reduces'
+``tensor_parallel_size`` 1 and 2 (gloo processes on the CPU; NCCL when the machine has two GPUs), the step time and the all-reduces'
 share of it from ``timed_collectives``; and α, β of this machine's own all-reduce, fitted from a
-sweep of message sizes between two gloo processes; its tables, figure and :func:`glue_chapter`.
+sweep of message sizes between two processes; its tables, figure and :func:`glue_chapter`.
 """
 from __future__ import annotations
 
@@ -39,6 +39,10 @@ LINKS = {"NVLink 类": AllReduceCost(latency=10e-6, bandwidth=300e9),
 # A100-80GB, tokens/s by GPU count.
 GPT_FAST = {"Llama-2-7B": {1: 104.9, 2: 168.8, 4: 254.0, 8: 328.4}, "Llama-2-70B": {2: 21.3, 4: 38.0, 8: 62.5}}
 GPT_FAST_GPU, GPT_FAST_CTX = "A100 80GB SXM", 256
+# Published, not measured here: a user's table in text-generation-inference issue #1315
+# (github.com/huggingface/text-generation-inference/issues/1315): CodeLlama-34B-Instruct, one request
+# at a time, mean milliseconds per generated token by GPU count.
+TGI_1315 = {"A100-80G": {1: 46.79, 2: 29.39, 4: 32.06}, "H100": {1: 27.98, 2: 28.02, 4: 31.77}}
 
 
 # --- The page: the ledger of two real models on several cards --------------------------------------
@@ -159,16 +163,28 @@ class EngineRun:
         return self.allreduce_per_step / self.step_seconds
 
 
+def lab_device(device: str = "cpu") -> torch.device:
+    """Where the lab's ranks run: ``"cpu"`` (gloo processes) or ``"cuda"`` (one GPU per rank, NCCL),
+    refused with a clear error when this machine has fewer than two GPUs."""
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device}")
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        raise ValueError(f"the NCCL runs need two GPUs, this machine has {torch.cuda.device_count()}; use device='cpu'")
+    return torch.device("cuda", 0) if device.type == "cuda" else device
+
+
 def run_engine(tp: int, cfg: ModelConfig = LAB_MODEL, batch: int = LAB_BATCH, prompt: int = LAB_PROMPT,
-               tokens: int = LAB_TOKENS) -> EngineRun:
-    """Run ``batch`` requests of ``prompt`` tokens for ``tokens`` tokens each on ``tp`` gloo ranks
-    (float32 on the CPU), once to warm up and once timed."""
+               tokens: int = LAB_TOKENS, device: str = "cpu") -> EngineRun:
+    """Run ``batch`` requests of ``prompt`` tokens for ``tokens`` tokens each on ``tp`` ranks in float32
+    (gloo processes on the CPU, one GPU each on ``"cuda"``), once to warm up and once timed."""
     from minillm import LLM, SamplingParams
     from minillm.engine.parallel import timed_collectives
 
+    device = lab_device(device)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     prompts = [[(7 * i + j) % cfg.vocab_size for j in range(prompt)] for i in range(batch)]
-    with LLM(cfg, weights="random", device="cpu", dtype=torch.float32, tensor_parallel_size=tp,
+    with LLM(cfg, weights="random", device=device, dtype=torch.float32, tensor_parallel_size=tp,
              num_kv_blocks=64, block_size=16) as llm:
         llm.generate(prompts, params, use_tqdm=False)
         with timed_collectives() as clock:
@@ -203,23 +219,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _sweep_rank(rank: int, port: int, sizes: tuple[int, ...], repeats: int, results) -> None:
-    """One of two gloo processes: all-reduce float32 messages of each size ``repeats`` times; rank 0
-    puts each size's median seconds on ``results``."""
+def _sweep_rank(rank: int, port: int, sizes: tuple[int, ...], repeats: int, device_type: str, results) -> None:
+    """One of two processes (gloo on the CPU, NCCL on GPU ``rank``): all-reduce float32 messages of each
+    size ``repeats`` times; rank 0 puts each size's median seconds on ``results``."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=2)
     try:
         medians = []
         for nbytes in sizes:
-            x = torch.ones(nbytes // 4)
+            x = torch.ones(nbytes // 4, device=device)
             dist.all_reduce(x)  # warm up this size's buffers
             samples = []
             for _ in range(repeats):
                 dist.barrier()
+                sync()
                 start = time.perf_counter()
                 dist.all_reduce(x)
+                sync()
                 samples.append(time.perf_counter() - start)
             medians.append(statistics.median(samples))
         if rank == 0:
@@ -228,16 +251,20 @@ def _sweep_rank(rank: int, port: int, sizes: tuple[int, ...], repeats: int, resu
         dist.destroy_process_group()
 
 
-def allreduce_sweep(sizes: tuple[int, ...] = SWEEP_BYTES, repeats: int = SWEEP_REPEATS) -> dict[int, float]:
-    """Median seconds of one all-reduce of each message size (bytes) between two gloo processes."""
+def allreduce_sweep(sizes: tuple[int, ...] = SWEEP_BYTES, repeats: int = SWEEP_REPEATS,
+                    device: str = "cpu") -> dict[int, float]:
+    """Median seconds of one all-reduce of each message size (bytes) between two processes: gloo on
+    the CPU, NCCL between two GPUs on ``"cuda"``."""
     import torch.multiprocessing as mp
 
     if len(sizes) < 2 or any(n < 4 or n % 4 for n in sizes):
         raise ValueError(f"need two or more sizes, each a positive multiple of 4 bytes; got {sizes}")
+    device_type = lab_device(device).type
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    ranks = [ctx.Process(target=_sweep_rank, args=(rank, port, sizes, repeats, results)) for rank in (0, 1)]
+    ranks = [ctx.Process(target=_sweep_rank, args=(rank, port, sizes, repeats, device_type, results))
+             for rank in (0, 1)]
     for p in ranks:
         p.start()
     try:
