@@ -13,9 +13,10 @@ its shard of the paged KV pool and runs the same forward on each step's inputs, 
 broadcasts. Between GPUs the collectives run on NCCL, between CPU processes on gloo: the same code.
 
 A worker waits for the next step on a pipe from rank 0, not in a collective, so an idle engine
-never times out; the pipe closing (rank 0 gone) ends the worker. A worker that dies fails rank 0's
-next collective (gloo sees the socket close; NCCL times out after ``COLLECTIVE_TIMEOUT``), and
-rank 0 reports which rank died.
+never times out; the pipe closing (rank 0 gone) ends the worker. A worker that dies between steps
+is found before the next one; one that dies inside a step fails rank 0's collective: gloo sees the
+socket close and rank 0 reports which rank died, while NCCL's watchdog gives up only after
+``COLLECTIVE_TIMEOUT`` and, under PyTorch's default NCCL error handling, ends rank 0's process too.
 """
 from __future__ import annotations
 
