@@ -10,6 +10,13 @@ export MINILLM_STRICT_CLAIMS=1
 # Kernels draw with the inline backend whatever MPLBACKEND the shell has (Agg would draw nothing);
 # scripts/test.sh builds the same way, so the execution cache either fills has every figure.
 build() { MPLBACKEND=module://matplotlib_inline.backend_inline .venv/bin/jupyter-book build . -W --keep-going; }
+# After a change to the package the pages import (or to its data), start from an empty execution
+# cache, so that no page shows outputs of the old code (scripts/fingerprint.sh).
+fingerprint=$(bash scripts/fingerprint.sh)
+if [ "$(cat _build/.code_fingerprint 2>/dev/null)" != "$fingerprint" ]; then
+  rm -rf _build/.jupyter_cache
+fi
+mkdir -p _build
 build
 # A cache filled some other way (an older scripts/test.sh exported MPLBACKEND=Agg) would give a
 # page without its figures: check every page, and if one lacks a figure, execute everything anew.
@@ -19,6 +26,7 @@ if ! .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_book_html.py \
   rm -rf _build
   build
 fi
+echo "$fingerprint" > _build/.code_fingerprint
 echo
 echo "The book: file://$PWD/_build/html/index.html"
 if [ "${1:-}" = "--serve" ]; then

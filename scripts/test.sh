@@ -25,6 +25,7 @@ rm -rf _build .labs && mkdir .labs && cp notebooks/*.ipynb .labs/
 .venv/bin/python scripts/cache_labs.py .labs
 echo "== book (jupyter-book build -W)"
 .venv/bin/jupyter-book build . -W --keep-going
+bash scripts/fingerprint.sh > _build/.code_fingerprint  # scripts/book.sh may reuse this build's cache
 echo "book built: _build/html/index.html"
 echo "== the built book: figures, offline (headless Chromium), quotation marks"
 .venv/bin/python -m pytest tests/test_book_html.py -rs
