@@ -16,7 +16,7 @@ from minillm.engine.loader import load_model
 from minillm.engine.sampling import SamplingParams
 from minillm.lab import estimate as ledger
 from minillm.lab import records
-from minillm.lab.diagnose import SYMPTOMS, WALLS, add_cli, diagnose
+from minillm.lab.diagnose import SYMPTOMS, WALLS, _step_ledgers, add_cli, diagnose
 from minillm.lab.workload import make_workload
 
 CONFIG = load_config("tiny").replace(name="tiny-diagnose", num_layers=2, hidden_size=64,
@@ -251,3 +251,33 @@ def test_speculation_bills_every_computed_position_and_the_drafts(spec):
     assert batching.rejected_share == rejected / batching.num_computed_positions
     assert f"{rejected:,} of {batching.num_computed_positions:,} computed positions rejected" in \
         diagnose(record).report()
+
+
+def test_draft_passes_start_from_each_requests_context_before_the_step():
+    """Two requests, a draft of the first layer: a prefills 10 tokens and b 6; then a verifies 3
+    proposals (2 rejected) while b decodes one; then a verifies 2 (1 rejected). The third step's
+    draft passes start from a's context before it, 10 + 4 - 2 = 12, and bill only a."""
+    kv = ledger.kv_bytes_per_token(CONFIG, "fp32")
+    step = lambda scheduled, rejected: {"scheduled": scheduled, "preempted": [], "num_sampled": len(scheduled),
+                                        "num_draft_tokens": sum(n - 1 for r, n in scheduled if r in rejected),
+                                        "num_rejected": rejected}
+    record = {"engine": {"block_size": 16, "preemption_mode": "recompute",
+                         "speculative_config": {"method": "draft_layers", "num_draft_layers": 1}},
+              "memory": {"kv_bytes_per_block": 16 * kv}, "dtype": "fp32",
+              "stats": {"steps": [step([["a", 10], ["b", 6]], {}), step([["a", 4], ["b", 1]], {"a": 2}),
+                                  step([["a", 3]], {"a": 1})]}}
+    without = copy.deepcopy(record)
+    without["engine"]["speculative_config"] = None
+    draft = CONFIG.replace(num_layers=1)
+    _, (f2, b2), (f3, b3) = _step_ledgers(record, CONFIG)
+    _, (g2, c2), (g3, c3) = _step_ledgers(without, CONFIG)
+    passes = [(1, 12 + 1), (1, 12 + 2)]  # (rows, a's positions) of passes 0 and 1
+    assert f3 - g3 == sum(rows * ledger.matmul_flops_per_token(draft) + ledger.attention_flops_per_token(draft, ctx)
+                          for rows, ctx in passes)
+    assert b3 - c3 == pytest.approx(sum(ledger.matmul_weight_bytes(draft, rows, "fp32") + ctx * kv / 2
+                                        for rows, ctx in passes))
+    # the step before: a's context 10, three passes
+    assert b2 - c2 == pytest.approx(sum(ledger.matmul_weight_bytes(draft, 1, "fp32") + (10 + j + 1) * kv / 2
+                                        for j in range(3)))
+    assert f2 - g2 == sum(ledger.matmul_flops_per_token(draft) + ledger.attention_flops_per_token(draft, 10 + j + 1)
+                          for j in range(3))

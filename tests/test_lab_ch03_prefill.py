@@ -75,6 +75,10 @@ def test_sweep_arithmetic():
     assert s.read_rate(1) == pytest.approx(kit.linear_bytes(cfg, "fp32") / 0.04)
     assert s.floor(1).bound == "memory" and s.floor(256).bound == "compute"
     assert s.crossover == L.prefill_crossover(cfg, 1e11, 4e10, "fp32")
+    assert kit._beat_why(s, 1) is None and kit._beat_why(s, 256) is None  # both above their floors
+    fast = kit.Sweep(cfg, "float32", 1e11, 4e10, forward={256: 0.01}, linear={256: 0.005})
+    assert kit._beat_why(fast, 256) == (f"n = 256 时，模型自己的线性层跑出 {fast.shape_rate(256) / 1e9:,.1f} GFLOP/s，"
+                                        "高于方阵探测的 100.0 GFLOP/s")
 
 
 def test_sweep_times_a_real_model():

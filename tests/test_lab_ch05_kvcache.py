@@ -8,6 +8,7 @@ from minillm.engine.config import load_config
 from minillm.engine.loader import load_model
 from minillm.lab import estimate as L
 from minillm.lab.chapters import ch05_kvcache as kit
+from minillm.lab.claims import STRICT, ClaimError
 from minillm.lab.gpus import lookup_gpu
 
 
@@ -76,6 +77,55 @@ def test_contiguous_waste_counts_the_written_positions(tiny):
 
 def test_the_two_ways_and_gqa_beside_mha(tiny):
     s = kit.time_steps(tiny, (8, 32), 1e11, 4e10, steps=1)
-    assert s.ts == [8, 32] and all(t > 0 for t in (*s.cached.values(), *s.recompute.values()))
-    g = kit.time_gqa_mha(tiny, [(1, 16)], 1e11, 4e10, steps=1)
-    assert g.points == [(1, 16)] and g.floor("MHA", (1, 16)).bytes > g.floor("GQA", (1, 16)).bytes
+    assert s.ts == [8, 32] and all(t > 0 for t in (*s.cached.values(), *s.recompute.values(), *s.linear.values()))
+    assert sorted(s.linear) == [1, 8, 32]  # the cached step's one row, each recompute's t rows
+    g = kit.time_gqa_mha(tiny, [(1, 16), (1, 32)], 1e11, 4e10, steps=1)
+    assert g.points == [(1, 16), (1, 32)] and g.floor("MHA", (1, 16)).bytes > g.floor("GQA", (1, 16)).bytes
+    assert {name: sorted(by_batch) for name, by_batch in g.linear.items()} == {"GQA": [1], "MHA": [1]}
+
+
+P, W = 1e11, 4e10  # a synthetic machine: ridge 2.5 FLOP/byte
+
+
+def synthetic(cached_share: float, recompute_share: float, gqa_share: float):
+    """Steps and GQA/MHA points of SmolLM2 in fp32 timed at ``share`` of each floor, the linear
+    layers alone at twice the probed matmul rate and twice the probed copy."""
+    smol = load_config("smollm2-135m")
+    c, r = kit.step_floor(smol, 24, True, P, W, "float32"), kit.step_floor(smol, 24, False, P, W, "float32")
+    linear = {1: L.matmul_weight_bytes(smol, 1, "fp32") / (2 * W), 24: L.prefill(smol, 24, "fp32").linear_flops / (2 * P)}
+    s = kit.Steps(smol, "float32", P, W, {24: cached_share * c.seconds}, {24: recompute_share * r.seconds}, linear)
+    g = kit.GqaMha(smol, "float32", P, W, {"GQA": {}, "MHA": {}}, {"GQA": {}, "MHA": {}})
+    for name in ("GQA", "MHA"):
+        g.times[name][2, 256] = gqa_share * g.floor(name, (2, 256)).seconds
+        g.linear[name][2] = L.matmul_weight_bytes(g.config(name), 2, "fp32") / (2 * W)
+    return s, g
+
+
+def test_every_step_at_or_above_its_floor_needs_no_why():
+    s, g = synthetic(1.0, 1.5, 1.2)
+    assert (s.floor(24, True).bound, s.floor(24, False).bound, g.floor("MHA", (2, 256)).bound) == ("memory", "compute", "memory")
+    assert s.why(24, True) is None and s.why(24, False) is None and g.why("GQA", (2, 256)) is None
+    assert kit.beaten_floors(s, g) == []
+    assert kit.floors_words([]).startswith("带 cache 的一步、重算的一步、GQA 和 MHA 的解码步，每一个计时都不低于")
+
+
+def test_a_step_that_beats_its_floor_names_the_rates():
+    s, g = synthetic(0.5, 0.8, 1.0)
+    assert s.why(24, False) == "重算 t = 24 个 token 时，模型自己的线性层跑出 200.0 GFLOP/s，高于方阵探测的 100.0 GFLOP/s"
+    assert s.why(24, True) == ("带 cache、t = 24 时，线性层读权重的速度 80.0 GB/s，高于拷贝探测的 40.0 GB/s"
+                               "（拷贝要读也要写，这里只读）")
+    beaten = kit.beaten_floors(s, g)
+    assert beaten == [s.why(24, True), s.why(24, False)]
+    assert kit.floors_words(beaten) == (f"有 2 个计时比它的下界还快：{beaten[0]}；{beaten[1]}。"
+                                        "探测用的方阵乘法和拷贝不是这些运算的上限，按探测值算出的下界对它们并不成立。")
+
+
+def test_a_beaten_floor_nothing_explains_fails_the_claim(monkeypatch):
+    s, g = synthetic(1.0, 1.0, 0.5)
+    g.linear = {name: {2: 4 * seconds[2]} for name, seconds in g.linear.items()}  # now at half the copy
+    assert g.why("GQA", (2, 256)) is None
+    monkeypatch.setenv(STRICT, "1")
+    with pytest.raises(ClaimError, match="下界"):
+        kit.beaten_floors(s, g)
+    monkeypatch.setenv(STRICT, "0")
+    assert kit.floors_words(kit.beaten_floors(s, g)).startswith("有 2 个计时比它的下界还快，其中 2 个")

@@ -92,6 +92,28 @@ def time_prefill(model: Transformer, n: int, repeats: int) -> list[float]:
     return measure_seconds(step, model.device, repeats, warmup=WARMUP)
 
 
+def time_linear_layers(model: Transformer, rows: int, repeats: int, every_row_logits: bool = False) -> list[float]:
+    """Seconds of the model's own linear layers alone on ``rows`` random rows: ``repeats``
+    samples. The output layer on the last row, as in a prefill, or (``every_row_logits``) on every
+    row, as in a decode step of ``rows`` requests. Beside a whole step it says how fast this
+    machine runs the model's matmuls at that shape, independently of the profile's probes."""
+    cfg, device, dtype = model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
+    x_hidden, x_heads, x_inner = (torch.randn(rows, width, dtype=dtype, device=device)
+                                  for width in (cfg.hidden_size, cfg.q_size, cfg.intermediate_size))
+
+    @torch.inference_mode()
+    def run():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                proj(x_hidden)
+            attn.o_proj(x_heads)
+            mlp.down_proj(x_inner)
+        model.lm_head(x_hidden if every_row_logits else x_hidden[-1:])
+
+    return measure_seconds(run, device, repeats, warmup=WARMUP)
+
+
 def time_decode_step(model: Transformer, batch: int, ctx: int, steps: int,
                      kv_dtype: torch.dtype | None = None) -> list[float]:
     """Seconds of one decode step of ``batch`` requests, each attending to ``ctx`` tokens (their

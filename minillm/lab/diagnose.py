@@ -357,31 +357,30 @@ def _step_ledgers(record: dict, cfg: ModelConfig) -> list[tuple[float, float]]:
         rows = step["num_sampled"] + step.get("num_draft_tokens", 0)
         flops = rows * ledger.output_layer_flops(cfg)  # logits only where sampled
         rejected = step.get("num_rejected", {})
+        drafts = []  # (context before the step, proposals) of each verifying request
         for request_id, num_new in step["scheduled"]:
             before = computed.get(request_id, 0)
+            if request_id in rejected:
+                drafts.append((before, num_new - 1))
             computed[request_id] = before + num_new - rejected.get(request_id, 0)
             kv_tokens += before + num_new
             # new token j attends to before + j + 1 positions
             flops += num_new * layer_flops + attention_per_position * (num_new * before + num_new * (num_new + 1) // 2)
         tokens = sum(num_new for _, num_new in step["scheduled"])
         nbytes = ledger.matmul_weight_bytes(cfg, max(tokens, 1), record["dtype"]) + kv_tokens * kv_per_token
-        if draft is not None and rejected:
-            draft_flops, draft_bytes = _draft_ledger(draft, step, computed, rejected, kv_per_token * draft.num_layers
-                                                     / cfg.num_layers, record["dtype"])
+        if draft is not None and drafts:
+            draft_flops, draft_bytes = _draft_ledger(draft, drafts, kv_per_token * draft.num_layers / cfg.num_layers,
+                                                     record["dtype"])
             flops, nbytes = flops + draft_flops, nbytes + draft_bytes
         out.append((flops, nbytes))
     return out
 
 
-def _draft_ledger(draft: ModelConfig, step: dict, computed: dict, rejected: dict, kv_per_token: float,
+def _draft_ledger(draft: ModelConfig, drafts: list[tuple[int, int]], kv_per_token: float,
                   dtype) -> tuple[float, float]:
     """(FLOPs, bytes) of a step's draft passes: ``draft``, the model cut to the draft's layers;
-    a verifying request drafted its scheduled tokens less one, from the context before the step
-    (``computed`` is already past it); ``kv_per_token``, the draft layers' share."""
-    drafts = []  # (context before the step, proposals) per verifying request
-    for request_id, num_new in step["scheduled"]:
-        if request_id in rejected:
-            drafts.append((computed[request_id] - num_new + rejected[request_id], num_new - 1))
+    ``drafts``, (context before the step, proposals) of each verifying request; ``kv_per_token``,
+    the draft layers' share."""
     flops = nbytes = 0.0
     for j in range(max(k for _, k in drafts)):
         active = [ctx for ctx, k in drafts if k > j]

@@ -20,7 +20,7 @@ from minillm.lab.claims import above_floor, choose, claim
 from minillm.lab.estimate import GB, GiB, KiB, MiB, fmt_int
 from minillm.lab.gpus import gpu_specs, lookup_gpu
 from minillm.lab.notebook import ms
-from minillm.lab.report import floor_words, show_table
+from minillm.lab.report import floor_words, linear_beat_words, show_table
 
 MODEL, CARD = "llama-3.1-8b", "H100 SXM"
 SHORT, LONG = 16, 8192  # the page's question: a short question, an 8K contract
@@ -205,30 +205,6 @@ def linear_bytes(cfg, dtype) -> int:
     return L.matmul_param_count(cfg) * L.dtype_bytes(dtype)
 
 
-def linear_layers_seconds(model, rows: int, repeats: int = REPEATS, every_row_logits: bool = False) -> list[float]:
-    """Seconds of the model's own linear layers alone on ``rows`` random rows: ``repeats``
-    samples. The output layer on the last row, as in a prefill, or (``every_row_logits``) on every
-    row, as in a decode step of ``rows`` requests."""
-    from minillm.lab.bench import WARMUP
-    from minillm.lab.hardware import measure_seconds
-
-    cfg, device, dtype = model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
-    x_hidden, x_heads, x_inner = (torch.randn(rows, width, dtype=dtype, device=device)
-                                  for width in (cfg.hidden_size, cfg.q_size, cfg.intermediate_size))
-
-    @torch.inference_mode()
-    def run():
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                proj(x_hidden)
-            attn.o_proj(x_heads)
-            mlp.down_proj(x_inner)
-        model.lm_head(x_hidden if every_row_logits else x_hidden[-1:])
-
-    return measure_seconds(run, device, repeats, warmup=WARMUP)
-
-
 @dataclass
 class Sweep:
     """A prefill sweep on this machine: the fastest of ``repeats`` samples per prompt length, of
@@ -281,7 +257,7 @@ def sweep(model, lengths, peak_flops: float, bandwidth: float, repeats: int = RE
     """Time a prefill of each length (``bench.time_prefill``, the benchmark's function) and the
     model's linear layers alone at the same number of rows, one right after the other; ``rounds``
     passes over the sweep, the fastest of ``repeats`` samples in all per point."""
-    from minillm.lab.bench import time_prefill
+    from minillm.lab.bench import time_linear_layers, time_prefill
 
     if repeats < rounds or rounds < 1:
         raise ValueError(f"need 1 <= rounds <= repeats, got rounds={rounds}, repeats={repeats}")
@@ -290,7 +266,7 @@ def sweep(model, lengths, peak_flops: float, bandwidth: float, repeats: int = RE
     for _ in range(rounds):
         for n in lengths:
             forward[n] += time_prefill(model, n, repeats // rounds)
-            linear[n] += linear_layers_seconds(model, n, repeats // rounds)
+            linear[n] += time_linear_layers(model, n, repeats // rounds)
     return Sweep(model.config, dtype, peak_flops, bandwidth, {n: min(t) for n, t in forward.items()},
                  {n: min(t) for n, t in linear.items()}, repeats=repeats // rounds * rounds)
 
@@ -418,15 +394,9 @@ def show_comparison(s: Sweep) -> None:
 
 
 def _beat_why(s: Sweep, n: int) -> str | None:
-    """Why the prefill of ``n`` tokens beats its floor, in numbers; None when nothing explains it."""
-    f = s.floor(n)
-    if f.bound == "compute" and s.shape_rate(n) > s.peak_flops:
-        return (f"模型自己的矩阵在 n = {n} 时跑出 {s.shape_rate(n) / 1e9:,.1f} GFLOP/s，"
-                f"高于方阵探测的 {s.peak_flops / 1e9:,.1f} GFLOP/s")
-    if f.bound == "memory" and s.read_rate(n) > s.bandwidth:
-        return (f"线性层读权重的速度 {s.read_rate(n) / GB:,.1f} GB/s 高于拷贝探测的 {s.bandwidth / GB:,.1f} GB/s"
-                "（只读不写，权重还留在缓存里）")
-    return None
+    """Why the prefill of ``n`` tokens beats its floor, in numbers; None when it does not, or
+    when nothing explains it."""
+    return linear_beat_words(s.forward[n], s.floor(n), s.shape_rate(n), s.read_rate(n), f"n = {fmt_int(n)} 时")
 
 
 def glue_chapter(lab, s: Sweep, logits: dict[bool, float], logits_n: int) -> dict[str, str]:
@@ -459,7 +429,7 @@ def glue_chapter(lab, s: Sweep, logits: dict[bool, float], logits_n: int) -> dic
     v["beaten"] = choose(
         not beaten, "扫到的每个 n，实测都不低于下界。",
         "n = " + "、".join(fmt_int(n) for n in beaten) + " 的实测比下界还快：" +
-        "；".join(f"n = {fmt_int(n)} 时{_beat_why(s, n)}" for n in beaten) + "。那个探测值不是这种运算的上限。")
+        "；".join(_beat_why(s, n) for n in beaten) + "。那个探测值不是这种运算的上限。")
     # The two ends of the sweep, item by item
     rate, read = s.shape_rate(large), s.read_rate(small)
     rest_small = s.forward[small] - s.linear[small]

@@ -212,9 +212,9 @@ def context_batch(batches) -> int:
 def linear_seconds(model, rows: int, steps: int = STEPS) -> list[float]:
     """Seconds of the model's linear layers alone on ``rows`` random rows, the output layer on
     every row (in a decode step every request needs its logits)."""
-    from minillm.lab.chapters.ch03_prefill import linear_layers_seconds
+    from minillm.lab.bench import time_linear_layers
 
-    return linear_layers_seconds(model, rows, steps, every_row_logits=True)
+    return time_linear_layers(model, rows, steps, every_row_logits=True)
 
 
 @dataclass
