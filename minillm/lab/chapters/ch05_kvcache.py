@@ -503,6 +503,20 @@ def glue_chapter(lab, s: Steps, gen: Generation, kv_rows, waste: Waste, g: GqaMh
     claim(r_max.bound == "compute", "重算的一步在本机上受算力限制", t=t_max, bound=r_max.bound)
     claim(s.recompute[t_max] > s.cached[t_max], "最长的 t 上重算比带 cache 慢")
     v["floors"] = floors_words(beaten_floors(s, g))
+    read = L.matmul_weight_bytes(cfg, 1, dtype) / s.linear[1]  # the cached step's linear layers, timed alone
+    v["cached_why"] = choose(
+        read < s.bandwidth,
+        f"单独计时的线性层读权重只有 {read / 1e9:,.1f} GB/s，比拷贝探测的 {s.bandwidth / 1e9:,.1f} GB/s 慢；这一步还要付每步的固定开销。",
+        f"单独计时的线性层读权重有 {read / 1e9:,.1f} GB/s，不比拷贝探测的 {s.bandwidth / 1e9:,.1f} GB/s 慢，差距主要是每步的固定开销。")
+    linear_share = s.linear[t_max] / s.recompute[t_max]
+    claim(linear_share < 1, "重算一步里单独计时的线性层比整步短", share=linear_share)
+    rate = L.prefill(cfg, t_max, dtype).linear_flops / s.linear[t_max]
+    v["recompute_why"] = choose(
+        rate < s.peak_flops,
+        f"单独计时的线性层只占这一步的 {linear_share:.0%}，其余是注意力和账本外的逐元素运算；线性层自己也只跑出 "
+        f"{rate / 1e9:,.1f} GFLOP/s，低于方阵探测的 {s.peak_flops / 1e9:,.1f} GFLOP/s。",
+        f"单独计时的线性层只占这一步的 {linear_share:.0%}，其余是注意力和账本外的逐元素运算；线性层自己跑出 "
+        f"{rate / 1e9:,.1f} GFLOP/s，已不低于方阵探测的 {s.peak_flops / 1e9:,.1f} GFLOP/s。")
     v["sides"] = (f"这台机器的脊点是 {words['ridge']} FLOP/字节；带 cache 的一步强度只有 {c_max.intensity:.2f}，落在带宽一侧，"
                   f"重算的一步强度 {r_max.intensity:,.0f}，落在算力一侧。")
     v["ratio_words"] = choose(
