@@ -522,7 +522,7 @@ def glue_chapter(lab, s: Steps, gen: Generation, kv_rows, waste: Waste, g: GqaMh
     v["ratio_words"] = choose(
         s.recompute[t_max] / s.cached[t_max] < r_max.seconds / c_max.seconds,
         "实测之比小于下界之比：带 cache 的一步离下界更远，固定开销和读权重的低效把它垫高了。",
-        "实测之比不小于下界之比：重算的一步离下界更远：注意力和账本外的逐元素运算跑得比线性层慢，把它垫高了。")
+        "实测之比不小于下界之比：重算的一步离下界更远，下面“为什么对不上”的第 3 条量了它差在哪里。")
     # The real model's generation
     same = gen.tokens[True] == gen.tokens[False]
     claim(same, "带 cache 和重算，贪心生成的 token 一字不差")
