@@ -241,8 +241,9 @@ def glue_chapter(r: dict) -> None:
     long_run, heavy, small = runs["long_prompts"], runs["decode_heavy"], runs["small_pool"]
     claim(long_run.batching.waited_steps["kv_pool"] == 0 < long_run.batching.waited_steps["token_budget"],
           "the long prompts wait for the token budget, not for KV blocks", waits=long_run.batching.waited_steps)
-    claim(small.batching.waited_steps["kv_pool"] > 0 and small.latency.num_aborted == 0,
-          "in the small pool requests wait for KV blocks and every request still finishes")
+    claim(small.batching.waited_steps["kv_pool"] > 0 and small.latency.num_aborted == 0 and small.symptom != "failure",
+          "in the small pool requests wait for KV blocks and every request still finishes",
+          kv_waits=small.batching.waited_steps["kv_pool"], aborted=small.latency.num_aborted, symptom=small.symptom)
     source = "规格表" if lab.on_gpu else "本机机器画像"
     g("ceiling_source", source)
     g("ceiling_note", ceiling_note(long_run.batching, heavy.batching, source))
