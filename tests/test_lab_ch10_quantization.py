@@ -127,3 +127,12 @@ def test_speedup_sentences_are_chosen_by_the_numbers():
     assert "解释不了" in ch10.speedup_sentence({"speedup": 1.2, "read_ratio": 1.01}, True)
     assert "fp32 矩阵乘本身就读得慢" in ch10.speedup_sentence({"speedup": 4.5, "read_ratio": 3.7}, True)
     assert "重测" in ch10.speedup_sentence({"speedup": 4.5, "read_ratio": 3.7}, False)
+
+
+def test_the_fp8_sentence_at_the_larger_batch_follows_speed_and_bytes():
+    assert ch10.fp8_big_sentence({"speedup": 1.3, "read_ratio": 1.13}, False).startswith("批大一些时 fp8 KV 快了一些")
+    assert "KV 只占一步字节的一小部分" in ch10.fp8_big_sentence({"speedup": 1.0, "read_ratio": 1.13}, False)
+    assert "类型转换把省下的时间用掉了" in ch10.fp8_big_sentence({"speedup": 1.0, "read_ratio": 1.6}, False)
+    slower_cpu = ch10.fp8_big_sentence({"speedup": 0.72, "read_ratio": 1.13}, False)
+    assert "反而更慢" in slower_cpu and "_attend" in slower_cpu
+    assert "_attend" not in ch10.fp8_big_sentence({"speedup": 0.72, "read_ratio": 1.13}, True)

@@ -53,6 +53,13 @@ def test_speedup_is_tau_over_the_steps_cost():
     assert ch11.implied_overhead(1.83, 2.29) == pytest.approx(2.29 / 1.83 - 1)
 
 
+def test_spec_bench_rows_quote_the_published_pairs_and_their_implied_overhead():
+    rows = {r[0]: r[1:] for r in ch11.spec_bench_rows()}
+    assert rows["草稿模型"] == ["1.83×", "2.29", "25%"]  # 2.29 / 1.83 - 1
+    assert rows["提示查找（n-gram）"] == ["1.55×（摘要 2.31×）", "1.74", "12%"]
+    assert rows["EAGLE-2"][2] == "94%"
+
+
 def test_tau_sentence_follows_the_numbers():
     assert ch11.tau_sentence(3.0, 3.1).startswith("实测的每次验证产出和公式")
     assert "成串" in ch11.tau_sentence(4.5, 3.0)

@@ -82,3 +82,18 @@ def test_the_engine_at_tp1_and_tp2():
     assert 0 < two.allreduce_share < 1 and two.step_seconds > 0
     link = AllReduceCost(latency=1e-4, bandwidth=1e9)
     assert ch13.estimated_allreduce_per_step(two, link, cfg) == pytest.approx(5 * (1e-4 + 2 * 128 * 4 / 1e9))
+
+
+def test_the_engine_table_quotes_times_as_the_page_does():
+    """One number per measured quantity: the lab's table formats each time as the page's glue does."""
+    one = ch13.EngineRun(tp=1, batch=4, steps=32, step_seconds=0.00821, allreduce_calls=0, allreduce_seconds=0.0)
+    two = ch13.EngineRun(tp=2, batch=4, steps=32, step_seconds=0.01912, allreduce_calls=288, allreduce_seconds=0.36864)
+    rows = ch13.engine_rows({1: one, 2: two})
+    assert rows[0][2] == "8.2 ms" and rows[0][5] == "—"
+    assert rows[1][2:] == ["19.1 ms", "9", "8 KiB", "11.5 ms", "60%"]
+
+
+def test_the_decode_table_names_the_binding_ceiling_as_the_book_writes_it():
+    rows = ch13.decode_rows(load_config("llama-3.1-8b"), lookup_gpu("H100 SXM"))
+    assert [r[0] for r in rows] == list(ch13.CARD_COUNTS)
+    assert all(r[1].startswith("≥ ") and r[1].endswith("（带宽：M/W）") for r in rows)  # batch 1: bandwidth-bound

@@ -7,7 +7,8 @@ import torch
 from minillm.engine.config import load_config
 from minillm.engine.loader import load_model
 from minillm.lab import estimate as L
-from minillm.lab.chapters import ch14_diagnose as ch11
+from minillm.lab.chapters import ch14_diagnose as kit
+from minillm.lab.diagnose import Batching
 from minillm.lab.notebook import Lab
 
 
@@ -19,12 +20,12 @@ def tiny_lab() -> Lab:
 
 
 def test_the_scenarios_at_both_sizes():
-    cpu, gpu = ch11.scenarios(on_gpu=False), ch11.scenarios(on_gpu=True)
+    cpu, gpu = kit.scenarios(on_gpu=False), kit.scenarios(on_gpu=True)
     assert list(cpu) == ["long_prompts", "decode_heavy", "small_pool"]
     assert gpu["long_prompts"].inputs == (8192,) * 3 and cpu["long_prompts"].inputs == (2048,) * 3
     assert len(gpu["decode_heavy"].inputs) == 128 and len(cpu["decode_heavy"].inputs) == 4
     assert cpu["small_pool"].pool_tokens() == 3 * (256 + 32)
-    roomy = ch11.roomy(cpu["small_pool"])
+    roomy = kit.roomy(cpu["small_pool"])
     assert roomy.pool is None and roomy.pool_tokens() == 12 * 288  # 288 is a whole number of blocks
 
 
@@ -37,22 +38,43 @@ def test_the_cpu_decodes_are_few_enough_to_stay_bandwidth_bound():
 
 
 def test_the_scenarios_schedule_as_the_chapter_says(tmp_path, one_thread):
-    lab, scene = tiny_lab(), ch11.scenarios(on_gpu=False)
-    heavy = ch11.run_scenario(lab, scene["decode_heavy"], tmp_path / "heavy.json")
+    lab, scene = tiny_lab(), kit.scenarios(on_gpu=False)
+    heavy = kit.run_scenario(lab, scene["decode_heavy"], tmp_path / "heavy.json")
     assert heavy.batching.num_steps == 64 and heavy.batching.mean_decode_batch == 4
     assert sum(heavy.batching.waited_steps.values()) == 0
-    small = ch11.run_scenario(lab, scene["small_pool"], tmp_path / "small.json")
+    small = kit.run_scenario(lab, scene["small_pool"], tmp_path / "small.json")
     assert small.wall == "capacity" and small.batching.waited_steps["kv_pool"] > 0
     assert small.latency.num_aborted == 0 and small.symptom != "failure"
     assert small.memory.kv_pool_tokens == 3 * 288
-    long_run = ch11.run_scenario(lab, scene["long_prompts"], tmp_path / "long.json")
+    long_run = kit.run_scenario(lab, scene["long_prompts"], tmp_path / "long.json")
     assert long_run.batching.waited_steps["token_budget"] > 0 and long_run.batching.waited_steps["kv_pool"] == 0
     assert (tmp_path / "long.json").is_file()
 
 
 def test_the_page_numbers():
-    words = ch11.page_numbers()
+    words = kit.page_numbers()
     # two 24 GiB cards hold each token's half: 4.1 times the tokens of one (chapter 13's ledger)
     assert words["tp2_gain"] == "4.1"
     assert words["kv_blocked_share"] == "10%"
     assert not any(key.startswith(("moe_", "spec_", "tp_", "big_")) for key in words)  # their own chapters
+
+
+def batching(decode_bytes_per_s: float, prefill_flops_per_s: float) -> Batching:
+    """A schedule whose ceilings are 10 GB/s and 100 GFLOP/s, at the given measured rates."""
+    return Batching(num_steps=10, busy_seconds=1.0, mean_batch=2.0, max_batch=2, mean_decode_batch=2.0,
+                    max_num_seqs=8, queueing_share_of_ttft=0.0, mean_queueing=0.0,
+                    waited_steps={"kv_pool": 0, "token_budget": 0}, prefill_time_share=0.5,
+                    compute_bound_share=0.5, decode_bytes_per_s=decode_bytes_per_s,
+                    prefill_flops_per_s=prefill_flops_per_s, bandwidth=1e10, peak_flops=1e11)
+
+
+def test_the_ceiling_note_is_one_whole_sentence_per_case():
+    under, over = batching(5e9, 5e10), batching(2e10, 2e11)
+    assert kit.ceiling_note(under, under, "本机机器画像") == "两个利用率都在 100% 之下。"
+    mfu = kit.ceiling_note(over, under, "本机机器画像")
+    assert mfu.startswith("MFU 超过了 100%：算 prompt 的步实际达到 200.0 GFLOP/s，高于上限 100.0 GFLOP/s。")
+    assert "本机机器画像里的矩阵乘速率" in mfu and "GB/s" not in mfu
+    mbu = kit.ceiling_note(under, over, "规格表")
+    assert mbu.startswith("MBU 超过了 100%：纯解码的步实际读了 20.0 GB/s，高于上限 10.0 GB/s。") and "规格表里的带宽" in mbu
+    both = kit.ceiling_note(over, over, "本机机器画像")
+    assert both.startswith("两个利用率都超过了 100%") and "200.0 GFLOP/s" in both and "20.0 GB/s" in both

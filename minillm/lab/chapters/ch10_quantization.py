@@ -343,8 +343,24 @@ def speedup_sentence(row: dict, fp32_streams_slower: bool) -> str:
                     "量化层换成 bf16 的激活，走的是更快的路径。")
         return "实测加速比解码实读字节之比还大，线性层的计时也解释不了它：这个数要在一台空闲的机器上重测。"
     if row["speedup"] >= 0.8 * row["read_ratio"]:
-        return "实测加速接近解码实读字节之比：这个格式的核函数把少掉的字节兑成了时间。"
+        return "实测加速接近解码实读字节之比：这个格式的 kernel 把少掉的字节兑成了时间。"
     return "实测加速明显低于解码实读字节之比：字节少了，时间却没有跟着字节走。"
+
+
+def fp8_big_sentence(row: dict, on_gpu: bool) -> str:
+    """What fp8 KV did at the lab's larger batch (``row``, one of :func:`speed_rows`), as a whole
+    sentence: faster, about even (only where the KV saved is a small share of the step's bytes), or
+    slower, and why on this kind of device."""
+    if row["speedup"] >= 1.1:
+        return "批大一些时 fp8 KV 快了一些：批越大，KV 在一步字节里占得越多，省下的字节开始兑成时间。"
+    if row["speedup"] >= 0.9:
+        if row["read_ratio"] < 1.25:
+            return "批大一些时 fp8 KV 和基线差不多快：这个上下文里 KV 只占一步字节的一小部分，省下的字节不多。"
+        return "批大一些时 fp8 KV 省下了不少字节，实测却和基线差不多快：读回时的类型转换把省下的时间用掉了。"
+    if on_gpu:
+        return "批大一些时 fp8 KV 反而更慢：这个上下文里省下的 KV 字节不多，读回时的类型转换却每步都要做。"
+    return ("批大一些时 fp8 KV 反而更慢：CPU 上的注意力先把 fp8 的 K、V 整段转回 fp32 再算（minillm/engine/kernels/"
+            "reference.py 的 _attend），这次转换比省下的字节更费时；GPU 上的 Triton 注意力 kernel 在每个分块里就地转换。")
 
 
 def glue_chapter(r: dict) -> None:
@@ -400,20 +416,13 @@ def glue_chapter(r: dict) -> None:
         g(f"lin_{key}_bytes", fmt_bytes(lin[key]["bytes"]))
     g("lin_int8_sentence", choose(
         lin["int8"]["bandwidth"] >= 0.8 * lin["int4"]["bandwidth"],
-        "int8 层每秒流过的权重字节和 int4 层相当：两个核函数读字节一样快，字节少的那个就快。",
-        "int8 层每秒流过的权重字节远少于 int4 层：它的核函数读字节读得慢，少掉的字节没能全部兑成时间。"))
+        "int8 层每秒流过的权重字节和 int4 层相当：两个 kernel 读字节一样快，字节少的那个就快。",
+        "int8 层每秒流过的权重字节远少于 int4 层：它的 kernel 读字节读得慢，少掉的字节没能全部兑成时间。"))
     g("lin_bf16_sentence", choose(
         lin["bf16"]["seconds"] < 0.9 * fp32,
         f"它比 fp32 快 {fp32 / lin['bf16']['seconds']:.2f} 倍，量化层的加速里有这一份。",
         "这台机器上 bf16 的 F.linear 并不比 fp32 快，量化层的加速不是换精度换来的。"))
-    fp8_big = by[(MEASURED[2], batches[-1])]
-    if fp8_big["speedup"] >= 0.9:
-        g("lab_fp8_big", "批大一些时 fp8 KV 也没有比基线慢多少：这个上下文里 KV 本来只占一步字节的一小部分。")
-    elif lab.on_gpu:
-        g("lab_fp8_big", "批大一些时 fp8 KV 反而更慢：这个上下文里省下的 KV 字节不多，读回时的类型转换却每步都要做。")
-    else:
-        g("lab_fp8_big", "批大一些时 fp8 KV 反而更慢：CPU 上的注意力先把 fp8 的 K、V 整段转回 fp32 再算（minillm/engine/kernels/"
-                         "reference.py 的 _attend），这次转换比省下的字节更费时；GPU 上的 Triton 注意力核函数在每个分块里就地转换。")
+    g("lab_fp8_big", fp8_big_sentence(by[(MEASURED[2], batches[-1])], lab.on_gpu))
     g("lab_price", f"{r['price_per_hour']:.2f}")
     for key, f in (("base", BASELINE), ("int4", MEASURED[1])):
         tok_s = 1e3 / (by[(MEASURED[1], 1)]["baseline_ms"] if f == BASELINE else int4["ms"])

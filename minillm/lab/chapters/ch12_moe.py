@@ -331,7 +331,10 @@ def glue_chapter(r: dict) -> None:
         max(ratios) / min(ratios) < 1.6,
         "时间之比和专家数之比一路同涨：两者之比在整个扫描里变化不到 1.6 倍，一步的时间几乎就是“触到几个专家”的函数。",
         "时间之比和专家数之比同向上涨，但两者之比在扫描里变化超过了 1.6 倍：除了触到几个专家，还有别的东西随 B 变了，下一节逐条说。"))
+    claim(min(ratios[1:-1]) < 1, "the time ratio over the experts ratio falls below 1 at the middle batches",
+          ratios=ratios)
     gap = statistics.fmean(abs(p.mean_touched - L.experts_touched(cfg, p.batch)) for p in moe)
+    claim(gap <= 0.05 * cfg.num_experts, "random routers touch about as many experts as uniform routing", gap=gap)
     g("lab_formula_gap", f"{gap:.1f}")
     # bytes, floor and MBU of the largest batch
     read = weights_read_counted(cfg, last.touched, dtype)
@@ -382,6 +385,10 @@ def glue_chapter(r: dict) -> None:
     g("skew_last_uniform_imbalance", f"{last.imbalance:.1f}")
     g("skew_b16_uniform_imbalance", f"{moe[mid].imbalance:.1f}")
     g("skew_b16_mean", f"{16 * cfg.num_experts_per_tok / cfg.num_experts:g}")
+    claim(skewed[mid].mean_touched < moe[mid].mean_touched, "at batch 16 the skewed router touches fewer experts",
+          uniform=moe[mid].mean_touched, skewed=skewed[mid].mean_touched)
+    claim(moe[mid].imbalance > 1.5, "at batch 16 even the uniform router loads its busiest expert well above the mean",
+          imbalance=moe[mid].imbalance)
     fewer = sum(s.mean_touched < u.mean_touched for u, s in zip(moe[1:], skewed[1:]))
     g("skew_fewer", choose(
         fewer >= len(moe[1:]) - 1,

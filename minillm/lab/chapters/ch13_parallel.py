@@ -95,11 +95,12 @@ def decode(cfg: ModelConfig, tp: int, link: AllReduceCost, gpu, batch: int = BAT
 
 def decode_rows(cfg: ModelConfig, gpu, batch: int = BATCH, ctx: int = CTX) -> list[list[str]]:
     """Per card count: each card's floor, then per link the all-reduces' time and the step's tok/s."""
+    from minillm.lab.report import floor_words
+
     rows = []
     for tp in CARD_COUNTS:
         steps = [decode(cfg, tp, link, gpu, batch, ctx) for link in LINKS.values()]
-        floor = steps[0].floor
-        rows.append([tp, f"{floor.seconds * 1e3:.2f} ms（{'M/W' if floor.bound == 'memory' else 'F/P'}）",
+        rows.append([tp, floor_words(steps[0].floor),
                      *[x for s in steps for x in (f"{s.allreduce_seconds * 1e3:.2f} ms", f"{s.tokens_per_s:,.0f}")]])
     return rows
 
@@ -207,9 +208,12 @@ SWEEP_HEADER = ["消息大小", "一次 all-reduce（实测中位数）", "α + 
 
 
 def engine_rows(runs: dict[int, EngineRun], cfg: ModelConfig = LAB_MODEL) -> list[list[str]]:
-    return [[r.tp, r.steps, f"{r.step_seconds * 1e3:.2f} ms", f"{r.allreduces_per_step:.0f}",
+    """One row per run, its times formatted as the page quotes them."""
+    from minillm.lab.notebook import ms
+
+    return [[r.tp, r.steps, ms(r.step_seconds), f"{r.allreduces_per_step:.0f}",
              f"{L.allreduce_message_bytes(cfg, r.batch, 'float32') / KiB:.0f} KiB" if r.tp > 1 else "—",
-             f"{r.allreduce_per_step * 1e3:.2f} ms" if r.tp > 1 else "—", f"{r.allreduce_share:.0%}"]
+             ms(r.allreduce_per_step) if r.tp > 1 else "—", f"{r.allreduce_share:.0%}"]
             for r in runs.values()]
 
 
@@ -318,12 +322,13 @@ def estimated_allreduce_per_step(run: EngineRun, link: AllReduceCost, cfg: Model
 
 def comparison(r: dict):
     """The lab's closing table: the α–β estimate beside what the engine measured."""
+    from minillm.lab.notebook import ms
     from minillm.lab.report import comparison_table
 
     one, two, link = r["runs"][1], r["runs"][2], r["link"]
     estimate = estimated_allreduce_per_step(two, link)
-    return comparison_table([
-        ("tp=2 一步里 all-reduce 的时间", f"{estimate * 1e3:.2f} ms（α–β）", f"{two.allreduce_per_step * 1e3:.2f} ms", None),
+    return comparison_table([  # formatted as the page quotes them (glue_chapter)
+        ("tp=2 一步里 all-reduce 的时间", f"{ms(estimate)}（α–β）", ms(two.allreduce_per_step), None),
         ("tp=2 一步里 all-reduce 的占比", f"{estimate / two.step_seconds:.0%}", f"{two.allreduce_share:.0%}", None),
         ("tp=2 ÷ tp=1 的一步", "—", f"{two.step_seconds / one.step_seconds:.2f}", None),
     ])

@@ -241,19 +241,17 @@ def glue_chapter(r: dict) -> None:
     long_run, heavy, small = runs["long_prompts"], runs["decode_heavy"], runs["small_pool"]
     claim(long_run.batching.waited_steps["kv_pool"] == 0 < long_run.batching.waited_steps["token_budget"],
           "the long prompts wait for the token budget, not for KV blocks", waits=long_run.batching.waited_steps)
-    claim(small.batching.waited_steps["kv_pool"] > 0 and small.latency.num_aborted == 0,
-          "in the small pool requests wait for KV blocks and every request still finishes")
-    g("ceiling_source", "规格表" if lab.on_gpu else "本机机器档案")
-    lb, hb = long_run.batching, heavy.batching
-    over = []
-    if lb.mfu and lb.mfu > 1:
-        over.append(f"算 prompt 的步实际达到 {lb.prefill_flops_per_s / 1e9:,.1f} GFLOP/s，高于上限 {lb.peak_flops / 1e9:,.1f} GFLOP/s")
-    if hb.mbu and hb.mbu > 1:
-        over.append(f"纯解码的步实际读了 {hb.decode_bytes_per_s / 1e9:,.1f} GB/s，高于上限 {hb.bandwidth / 1e9:,.1f} GB/s")
-    g("ceiling_note", choose(
-        not over, "两个利用率都在 100% 之下。",
-        "利用率超过了 100%：" + "；".join(over) + "。实测比上限还快，说明那个上限（机器档案里的一次探测）"
-        "对这种运算偏低，而不是引擎超常发挥；这时的利用率只能看相对高低。"))
+    claim(small.batching.waited_steps["kv_pool"] > 0 and small.latency.num_aborted == 0 and small.symptom != "failure",
+          "in the small pool requests wait for KV blocks and every request still finishes",
+          kv_waits=small.batching.waited_steps["kv_pool"], aborted=small.latency.num_aborted, symptom=small.symptom)
+    source = "规格表" if lab.on_gpu else "本机机器画像"
+    g("ceiling_source", source)
+    g("ceiling_note", ceiling_note(long_run.batching, heavy.batching, source))
+    claim(heavy.batching.queueing_share_of_ttft < 0.2 and heavy.batching.prefill_time_share < 0.2,
+          "decoding: the requests hardly queue and the engine's time goes almost all to decoding",
+          queueing=heavy.batching.queueing_share_of_ttft, prefill=heavy.batching.prefill_time_share)
+    claim(small.memory.requests_in_pool < len(scene["small_pool"].inputs),
+          "the small pool holds fewer average requests than arrive", pool_requests=small.memory.requests_in_pool)
 
     # the small pool, enlarged
     fixed = r["fixed"]
@@ -287,6 +285,26 @@ def glue_chapter(r: dict) -> None:
         f"从客户端的记录却判不出是哪堵墙（引擎的记录说是{WALL_ZH[small.wall]}）：服务器的计数里没有抢占，"
         "仪表的采样也没碰上 KV 用满的那一刻。"))
     g("client_extra_ttft", ms(view.extra_ttft) if view.extra_ttft is not None else "—")
+
+
+def ceiling_note(prefill, decode, source: str) -> str:
+    """Whether the prompt steps' MFU (``prefill``, a ``Batching``) and the decode steps' MBU
+    (``decode``) stay under 100%, as one whole sentence; one above it names, in numbers, the ceiling
+    (taken from ``source``, e.g. 本机机器画像) that was too low for that operation."""
+    mfu_over, mbu_over = bool(prefill.mfu and prefill.mfu > 1), bool(decode.mbu and decode.mbu > 1)
+    flops, peak = f"{(prefill.prefill_flops_per_s or 0) / 1e9:,.1f}", f"{(prefill.peak_flops or 0) / 1e9:,.1f}"
+    read, bandwidth = f"{(decode.decode_bytes_per_s or 0) / 1e9:,.1f}", f"{(decode.bandwidth or 0) / 1e9:,.1f}"
+    if mfu_over and mbu_over:
+        return (f"两个利用率都超过了 100%：算 prompt 的步实际达到 {flops} GFLOP/s，高于上限 {peak} GFLOP/s；"
+                f"纯解码的步实际读了 {read} GB/s，高于上限 {bandwidth} GB/s。{source}里的两个上限对这两种运算都偏低，"
+                "不是引擎超常发挥；这时的利用率只能看相对高低。")
+    if mfu_over:
+        return (f"MFU 超过了 100%：算 prompt 的步实际达到 {flops} GFLOP/s，高于上限 {peak} GFLOP/s。"
+                f"{source}里的矩阵乘速率对这种运算偏低，不是引擎超常发挥；这时的 MFU 只能看相对高低。")
+    if mbu_over:
+        return (f"MBU 超过了 100%：纯解码的步实际读了 {read} GB/s，高于上限 {bandwidth} GB/s。"
+                f"{source}里的带宽对这种读法偏低，不是引擎超常发挥；这时的 MBU 只能看相对高低。")
+    return "两个利用率都在 100% 之下。"
 
 
 # --- The page ------------------------------------------------------------------------------------
