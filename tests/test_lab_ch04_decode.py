@@ -68,11 +68,25 @@ def test_sweep_arithmetic():
     assert s.points(128) == [1, 32] and kit.context_batch((1, 2, 4, 8, 16, 32)) == 4
 
 
+def test_a_step_under_its_floor_is_explained_by_its_linear_layers_or_fails():
+    cfg = load_config("smollm2-135m")
+    P, W = 9e10, 3.6e10
+    fast_read = L.matmul_param_count(cfg) * 4 / (2 * W)  # the weights read at twice the probed copy
+    floor = L.decode_step(cfg, 1, 128, W, "fp32").floor(P)
+    s = kit.DecodeSweep(cfg, "float32", P, W, step={(1, 128): 0.5 * floor.seconds}, linear={1: fast_read})
+    assert s.why(1, 128) == ("B = 1、c = 128 时，线性层读权重的速度 72.0 GB/s，高于拷贝探测的 36.0 GB/s"
+                             "（拷贝要读也要写，这里只读）")
+    s.linear[1] = 4 * fast_read  # now at half the copy: nothing explains the step
+    assert s.why(1, 128) is None
+    s.step[1, 128] = floor.seconds
+    assert s.why(1, 128) is None
+
+
 def test_decode_sweep_times_a_real_model():
     torch.set_num_threads(1)
     model = load_model("tiny", device="cpu", dtype=torch.float32, weights="random")
     s = kit.decode_sweep(model, (1, 2), 16, (16, 32), 1e11, 4e10, steps=1, rounds=1)
-    assert sorted(s.step) == [(1, 16), (1, 32), (2, 16)] and sorted(s.linear) == [2]  # one row: chapter 3
+    assert sorted(s.step) == [(1, 16), (1, 32), (2, 16)] and sorted(s.linear) == [1, 2]
     assert all(t > 0 for t in (*s.step.values(), *s.linear.values()))
 
 

@@ -109,13 +109,3 @@ def test_contract_result_sees_the_stall(tiny):
     assert sum(result["chunks"]) == 128 and all(n <= 32 for n in result["chunks"])
     assert len(result["chunks"]) == 4
     assert result["worst_gap"] >= result["decode_step"] > 0 and result["contract_ttft"] > 0
-
-
-def test_a_time_under_its_floor_is_explained_in_numbers():
-    from minillm.lab.machine_profile import MachineProfile
-
-    profile = MachineProfile("cpu", "x", 1, 1e10, 2e10, "torch.float32", 3.0, "2026-01-01")
-    floor = L.roofline_floor(4e10, 1e9, 2e10, 1e10)  # compute-bound, >= 2 s
-    assert ch08.why_below(2.5, floor, profile) is None
-    why = ch08.why_below(1.0, floor, profile)
-    assert "40.0 GFLOP/s" in why and "20.0 GFLOP/s" in why and "3.0" in why

@@ -105,19 +105,22 @@ def test_one_linear_per_format_streams_its_own_bytes():
     assert all(r["bandwidth"] == pytest.approx(r["bytes"] / r["seconds"]) for r in rows)
 
 
-def test_speed_rows_pair_each_format_with_its_baseline():
+def test_speed_rows_share_the_run_s_one_baseline():
     def point(variant, batch, median, nbytes, kv, speedup=None):
         p = {"variant": variant, "batch": batch, "ctx": 256, "median_s": median,
              "estimate": {"bytes": nbytes, "kv_read_bytes": kv}}
         return p if speedup is None else {**p, "speedup": speedup}
     kv = L.kv_bytes(SMALL, 256, "fp32")
-    w = L.weight_bytes(SMALL, "fp32"), L.weight_bytes(SMALL, "fp32", "int4")
-    points = [point("baseline", 1, 0.06, w[0] + kv, kv), point("quantized", 1, 0.02, w[1] + kv, kv, 3.0)]
-    (row,) = ch10.speed_rows({Format("int4"): points}, SMALL, "fp32")
-    assert row["speedup"] == 3.0 and row["baseline_ms"] == pytest.approx(60) and row["ms"] == pytest.approx(20)
-    assert row["ledger_ratio"] == pytest.approx((w[0] + kv) / (w[1] + kv))
+    w = L.weight_bytes(SMALL, "fp32"), L.weight_bytes(SMALL, "fp32", "int4"), L.weight_bytes(SMALL, "fp32", "int8")
+    points = [point("baseline", 1, 0.06, w[0] + kv, kv), point("int4", 1, 0.02, w[1] + kv, kv, 3.0),
+              point("int8", 1, 0.03, w[2] + kv, kv, 2.0)]
+    int4, int8 = ch10.speed_rows({"formats": (Format("int4"), Format("int8")), "points": points}, SMALL, "fp32")
+    assert int4["speedup"] == 3.0 and int4["baseline_ms"] == pytest.approx(60) and int4["ms"] == pytest.approx(20)
+    assert int8["format"] == Format("int8") and int8["ms"] == pytest.approx(30)
+    assert ch10.baselines([int4, int8]) == {1: pytest.approx(60)}
+    assert int4["ledger_ratio"] == pytest.approx((w[0] + kv) / (w[1] + kv))
     read = (ch10.decode_read_bytes(SMALL, "fp32") + kv) / (ch10.decode_read_bytes(SMALL, "fp32", "int4") + kv)
-    assert row["read_ratio"] == pytest.approx(read) and row["read_ratio"] > row["ledger_ratio"]
+    assert int4["read_ratio"] == pytest.approx(read) and int4["read_ratio"] > int4["ledger_ratio"]
 
 
 def test_speedup_sentences_are_chosen_by_the_numbers():

@@ -64,6 +64,7 @@ def test_tau_sentence_follows_the_numbers():
     assert ch11.tau_sentence(3.0, 3.1).startswith("实测的每次验证产出和公式")
     assert "成串" in ch11.tau_sentence(4.5, 3.0)
     assert "不足 γ 个" in ch11.tau_sentence(2.0, 3.0)
+    assert ch11.accepted_length(0.0, 4) == 1 and "α = 0" in ch11.tau_sentence(1.0, ch11.accepted_length(0.0, 4))
 
 
 def test_measured_rows_compare_tau_to_the_formula():

@@ -151,15 +151,38 @@ def test_the_24gib_dry_run_holds_twice_the_tokens_with_fp8_kv():
 def test_bench_decode_times_the_quantized_model_beside_the_baseline():
     from minillm.lab.bench import bench_decode, format_decode
 
-    result = bench_decode("tiny", "cpu", batches=[1, 2], contexts=[32], steps=2, quantization="int4",
-                          kv_cache_dtype="fp8")
+    result = bench_decode("tiny", "cpu", batches=[1, 2], contexts=[32], steps=2,
+                          variants=[("int4", "fp8"), ("int8", "auto")])
     points = result["points"]
-    assert [p["variant"] for p in points] == ["baseline", "quantized"] * 2
-    for base, quant in zip(points[::2], points[1::2]):
+    assert [p["variant"] for p in points] == ["baseline", "int4+fp8-kv", "int8"] * 2
+    for base, quant, int8 in zip(points[::3], points[1::3], points[2::3]):
         assert quant["speedup"] == base["median_s"] / quant["median_s"]
+        assert int8["speedup"] == base["median_s"] / int8["median_s"]
         assert quant["estimate"]["weight_bytes"] < base["estimate"]["weight_bytes"] / 3  # fp32 -> int4
         assert quant["estimate"]["kv_read_bytes"] * 4 == base["estimate"]["kv_read_bytes"]  # fp32 -> fp8
+        assert int8["estimate"]["kv_read_bytes"] == base["estimate"]["kv_read_bytes"]
     assert "speedup" in format_decode(result) and "KV cache fp8" in format_decode(result)
+
+
+@pytest.mark.parametrize("variants, message", [([(None, "auto")], "quantize the weights or the KV cache"),
+                                               ([("int4", "auto"), ("int4", "auto")], "repeat"),
+                                               ([("int3", "auto")], "quantization must be"),
+                                               ([("int8", "fp16")], "kv_cache_dtype")])
+def test_bench_decode_refuses_bad_variants_before_loading(variants, message, monkeypatch):
+    from minillm.lab import bench
+
+    monkeypatch.setattr(bench, "_setup", lambda *a: pytest.fail("loaded a model for bad variants"))
+    with pytest.raises(ValueError, match=message):
+        bench.bench_decode("tiny", "cpu", batches=[1], contexts=[32], steps=1, variants=variants)
+
+
+def test_bench_decode_cli_times_one_variant(capsys):
+    from minillm.__main__ import main
+
+    assert main(["bench", "decode", "--model", "tiny", "--device", "cpu", "--batches", "1", "--contexts", "16",
+                 "--steps", "1", "--quantization", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "int8: weights int8, KV cache auto" in out and "speedup" in out
 
 
 def test_bench_quality_prints_one_json_object(capsys):

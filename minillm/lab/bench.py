@@ -164,52 +164,69 @@ def bench_prefill(model_name: str, device=None, dtype=None, lengths=(128, 512, 2
     return {**results, "points": points}
 
 
+def variant_name(quantization: str | None, kv_cache_dtype: str) -> str:
+    """A quantized variant's name in ``bench decode``'s points: ``int4``, ``fp8-kv``, ``int4+fp8-kv``."""
+    return "+".join([quantization] * bool(quantization) + ["fp8-kv"] * (kv_cache_dtype == "fp8"))
+
+
+def _check_variants(cfg, variants, group_size: int) -> list[tuple[str | None, str]]:
+    pairs = [tuple(v) for v in variants]
+    for quantization, kv_cache_dtype in pairs:
+        check_quantization(quantization, group_size)
+        check_shapes(cfg, quantization, group_size)
+        if kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+        if not variant_name(quantization, kv_cache_dtype):
+            raise ValueError("a variant must quantize the weights or the KV cache; the baseline is always timed")
+    if len(set(pairs)) < len(pairs):
+        raise ValueError(f"variants repeat: {pairs}")
+    return pairs
+
+
 def bench_decode(model_name: str, device=None, dtype=None, batches=(1, 8, 32),
-                 contexts=(512, 2048), steps: int = 10, quantization: str | None = None,
-                 group_size: int = 32, kv_cache_dtype: str = "auto") -> dict:
+                 contexts=(512, 2048), steps: int = 10, variants=(), group_size: int = 32) -> dict:
     """Decode step time for every batch size and context, beside the ledger's bytes and floor.
 
     Achieved bandwidth = ledger bytes of the step (all weights + the batch's KV) / median time;
-    its fraction of the probed copy bandwidth is the MBU the decode chapter reports. With
-    ``quantization`` or ``kv_cache_dtype="fp8"``, every point is timed on the unquantized model
-    and on the quantized one in turns (``variant`` "baseline" and "quantized"), and the quantized
-    point carries ``speedup`` = baseline median / its median.
+    its fraction of the probed copy bandwidth is the MBU the decode chapter reports. ``variants``
+    are (quantization, kv_cache_dtype) pairs: at every point the unquantized model (``variant``
+    "baseline") and each variant (named by :func:`variant_name`) are timed in turns, so all share
+    one baseline, and a variant's point carries ``speedup`` = baseline median / its median.
     """
     cfg = load_config(model_name)
     batches = _check_sizes("batches", batches)
     contexts = _check_sizes("contexts", contexts, cfg.max_position_embeddings)
     _check_count("steps", steps)
-    check_quantization(quantization, group_size)
-    check_shapes(cfg, quantization, group_size)
+    pairs = _check_variants(cfg, variants, group_size)
     model, results = _setup(model_name, device, dtype)
-    variants = {"baseline": (model, None, None)}
-    if quantization is not None or kv_cache_dtype != "auto":
-        quantized = model if quantization is None else load_model(
-            model_name, device=model.device, dtype=model.dtype, weights="random",
-            quantization=quantization, group_size=group_size)
-        variants["quantized"] = (quantized, quantization, kv_cache_dtype)
-    results["quantization"] = {"quantization": quantization, "group_size": group_size,
-                               "kv_cache_dtype": kv_cache_dtype} if len(variants) > 1 else None
+    models = {None: model}
+    for quantization, _ in pairs:
+        if quantization not in models:
+            models[quantization] = load_model(model_name, device=model.device, dtype=model.dtype, weights="random",
+                                              quantization=quantization, group_size=group_size)
+    timed = [("baseline", None, "auto")] + [(variant_name(q, kv), q, kv) for q, kv in pairs]
+    results["variants"] = [{"variant": name, "quantization": q, "kv_cache_dtype": kv} for name, q, kv in timed[1:]]
+    results["group_size"] = group_size if pairs else None
     bandwidth, dtype_name, points = results["probe"]["copy_bandwidth"], results["model"]["dtype"], []
     for ctx in contexts:
         for batch in batches:
             baseline_median = None
-            for variant, (net, method, kv) in variants.items():
-                kv_dtype = kv_storage_dtype(kv or "auto", net.dtype)
-                est = ledger.decode_step(net.config, batch, ctx, bandwidth, dtype_name, method, group_size,
+            for name, quantization, kv in timed:
+                net, kv_dtype = models[quantization], kv_storage_dtype(kv, model.dtype)
+                est = ledger.decode_step(net.config, batch, ctx, bandwidth, dtype_name, quantization, group_size,
                                          str(kv_dtype).removeprefix("torch."))
-                point = {"variant": variant, "batch": batch, "ctx": ctx, "estimate": {
-                    "bytes": est.bytes, "weight_bytes": est.weight_bytes,
-                    "kv_read_bytes": est.kv_read_bytes, "flops": est.flops,
-                    "time_floor_s": est.time_floor, "tokens_per_s": est.tokens_per_s}}
-                seconds = _measure(point, lambda: time_decode_step(net, batch, ctx, steps, kv_dtype),
-                                   net.device)
+                point = {"variant": name, "quantization": quantization, "kv_cache_dtype": kv, "batch": batch,
+                         "ctx": ctx, "estimate": {
+                             "bytes": est.bytes, "weight_bytes": est.weight_bytes,
+                             "kv_read_bytes": est.kv_read_bytes, "flops": est.flops,
+                             "time_floor_s": est.time_floor, "tokens_per_s": est.tokens_per_s}}
+                seconds = _measure(point, lambda: time_decode_step(net, batch, ctx, steps, kv_dtype), net.device)
                 if seconds is not None:
                     median = statistics.median(seconds)
                     point.update(seconds=seconds, median_s=median, tokens_per_s=batch / median,
                                  achieved_bandwidth=est.bytes / median,
                                  fraction_of_probed_bandwidth=est.bytes / median / bandwidth)
-                    if variant == "baseline":
+                    if name == "baseline":
                         baseline_median = median
                     elif baseline_median is not None:
                         point["speedup"] = baseline_median / median
@@ -242,23 +259,26 @@ def format_prefill(results: dict) -> str:
 
 
 def format_decode(results: dict) -> str:
-    """The decode sweep as a readable table (with a quantized variant: one row each, and the
-    quantized row's speedup over the baseline measured beside it)."""
-    q = results.get("quantization")
+    """The decode sweep as a readable table (with quantized variants: one row each, every one's
+    speedup over the baseline timed beside it)."""
+    variants = results.get("variants") or []
     lines = _header(results)
-    if q:
-        weights = q["quantization"] or "unquantized"
-        if q["quantization"] == "int4":
-            weights += f" (groups of {q['group_size']})"
-        lines.append(f"quantized: weights {weights}, KV cache {q['kv_cache_dtype']}; both timed in turns")
-    lines.append(f"{'variant':>9} {'batch':>6} {'ctx':>7} {'ms/step':>8} {'floor ms':>9} "
+    for v in variants:
+        weights = v["quantization"] or "unquantized"
+        if v["quantization"] == "int4":
+            weights += f" (groups of {results['group_size']})"
+        lines.append(f"{v['variant']}: weights {weights}, KV cache {v['kv_cache_dtype']}")
+    if variants:
+        lines.append("the baseline and every variant timed in turns at each point")
+    width = max([9] + [len(v["variant"]) for v in variants])
+    lines.append(f"{'variant':>{width}} {'batch':>6} {'ctx':>7} {'ms/step':>8} {'floor ms':>9} "
                  f"{'tok/s':>9} {'GB/s':>8} {'of probe':>8} {'speedup':>8}")
     for p in results["points"]:
         if "error" in p:
-            lines.append(f"{p['variant']:>9} {p['batch']:>6,} {p['ctx']:>7,} {p['error']}")
+            lines.append(f"{p['variant']:>{width}} {p['batch']:>6,} {p['ctx']:>7,} {p['error']}")
             continue
         speedup = f"{p['speedup']:>7.2f}x" if "speedup" in p else f"{'':>8}"
-        lines.append(f"{p['variant']:>9} {p['batch']:>6,} {p['ctx']:>7,} {p['median_s'] * 1e3:>8.2f} "
+        lines.append(f"{p['variant']:>{width}} {p['batch']:>6,} {p['ctx']:>7,} {p['median_s'] * 1e3:>8.2f} "
                      f"{p['estimate']['time_floor_s'] * 1e3:>9.2f} {p['tokens_per_s']:>9,.1f} "
                      f"{p['achieved_bandwidth'] / 1e9:>8,.1f} "
                      f"{p['fraction_of_probed_bandwidth']:>8.0%} {speedup}")
@@ -378,8 +398,9 @@ def run_cli(args) -> int:
         return report(args, "paged-decode", params, lambda device: bench_paged_decode(
             args.model, device, args.dtype, args.batch, args.contexts, args.block_size, args.repeats),
             format_paged_decode)
+    variants = [(args.quantization, args.kv_cache_dtype)] if variant_name(args.quantization, args.kv_cache_dtype) else []
     params.update(batches=args.batches, contexts=args.contexts, steps=args.steps, quantization=args.quantization,
                   group_size=args.group_size, kv_cache_dtype=args.kv_cache_dtype)
     return report(args, "decode", params, lambda device: bench_decode(
-        args.model, device, args.dtype, args.batches, args.contexts, args.steps, args.quantization,
-        args.group_size, args.kv_cache_dtype), format_decode)
+        args.model, device, args.dtype, args.batches, args.contexts, args.steps, variants, args.group_size),
+        format_decode)

@@ -54,3 +54,9 @@ def above_floor(measured_seconds: float, floor, why: str | None = None) -> bool:
         return False
     return claim(False, "实测时间不低于它的下界 max(F/P, M/W)", measured=measured_seconds,
                  floor=floor.seconds, bound=floor.bound)
+
+
+def floors_beaten(checks) -> list[str | None]:
+    """Each ``(measured, floor, why)`` through :func:`above_floor`: the ``why`` of every one that
+    beat its floor (None where nothing explains it), for ``report.beaten_words``."""
+    return [why for measured, floor, why in checks if not above_floor(measured, floor, why)]

@@ -58,6 +58,35 @@ def linear_beat_words(measured: float, floor, flop_rate: float, read_rate: float
     return None
 
 
+def profile_beat_words(measured: float, floor, profile, what: str = "这一步") -> str | None:
+    """Why ``measured`` seconds of ``what`` beat ``floor`` (None when they did not), in numbers: the
+    rate it really reached against the machine profile's ceiling that the floor divided by, and
+    the load when that was probed."""
+    if measured >= floor.seconds:
+        return None
+    if floor.bound == "compute":
+        reached, ceiling, probe, unit = floor.flops / measured, floor.peak_flops, "矩阵乘速率", "GFLOP/s"
+    else:
+        reached, ceiling, probe, unit = floor.bytes / measured, floor.bandwidth, "拷贝带宽", "GB/s"
+    load = "" if profile.load_average is None else f"，在 1 分钟平均负载 {profile.load_average:.1f} 时测得"
+    return (f"{what}实际跑出 {reached / 1e9:,.1f} {unit}，高于机器画像里的{probe} {ceiling / 1e9:,.1f} {unit}"
+            f"（一次方阵乘法或一次大拷贝的速率，每次构建探测一次{load}）：画像把这台机器的这个上限测低了，"
+            "按它算出的下界对这一步并不成立")
+
+
+def beaten_words(whys: list[str | None], held: str, after: str = "") -> str:
+    """The page's sentence on a lab's floors, from the explanations of those beaten
+    (``claims.floors_beaten``; None for one nothing measured explains): ``held`` when none was
+    beaten, else how many were and why, then ``after``."""
+    told, unexplained = [why for why in whys if why], whys.count(None)
+    if not whys:
+        return held
+    if not told:
+        return f"有 {unexplained} 个计时比它的下界还快，这一次量到的数解释不了。"
+    words = f"有 {len(whys)} 个计时比它的下界还快：" + "；".join(told) + "。" + after
+    return words + (f"另有 {unexplained} 个，这一次量到的数解释不了。" if unexplained else "")
+
+
 def show_answer(text: str):
     """A real model's answer, quoted as English (``lang="en"``) on the book's Chinese pages."""
     import html

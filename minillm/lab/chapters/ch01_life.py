@@ -14,9 +14,9 @@ import statistics
 from dataclasses import dataclass
 
 from minillm.lab import estimate as L
-from minillm.lab.claims import above_floor, choose, claim
+from minillm.lab.claims import choose, claim, floors_beaten
 from minillm.lab.estimate import GB, GiB, KiB, MiB, fmt_bytes, fmt_int
-from minillm.lab.report import BOUND_WORDS, floor_words, show_table
+from minillm.lab.report import BOUND_WORDS, beaten_words, floor_words, profile_beat_words, show_table
 from minillm.lab.tokens import TEXTS, count, count_tokens, from_transformers, sample_text, tokenizers
 
 # --- Prompts ---------------------------------------------------------------------------------------
@@ -496,25 +496,10 @@ def show_token_counts(counts) -> None:
 
 # --- The estimate beside the measurements ------------------------------------------------------------------
 
-def beaten_floor_words(floor: L.Floor, measured: float, profile) -> str | None:
-    """Why ``measured`` came in under ``floor``, in numbers (None when it did not): the rate the
-    step really reached against the probed ceiling that bound it, and the load when it was probed."""
-    if measured >= floor.seconds:
-        return None
-    load = "" if profile.load_average is None else f"（画像是在 1 分钟平均负载 {profile.load_average:.1f} 时测的）"
-    if floor.bound == "compute":
-        reached, ceiling, what = floor.flops / measured / 1e9, floor.peak_flops / 1e9, "矩阵乘速率"
-        unit = "GFLOP/s"
-    else:
-        reached, ceiling, what = floor.bytes / measured / 1e9, floor.bandwidth / 1e9, "拷贝带宽"
-        unit = "GB/s"
-    return (f"这一步实际跑出 {reached:,.1f} {unit}，高于机器画像里的{what} {ceiling:,.1f} {unit}{load}："
-            "是画像把这台机器的这个上限测低了，按它算出的下界对这一步并不成立。")
-
-
 def floor_sentence(floor: L.Floor, measured: float, profile) -> str:
     """A whole sentence on a measurement and its floor: the floor's share of it, or why it beat it."""
-    return beaten_floor_words(floor, measured, profile) or f"实测里这个下界占了 {floor.share_of(measured):.0%}。"
+    why = profile_beat_words(measured, floor, profile)
+    return f"{why}。" if why else f"实测里这个下界占了 {floor.share_of(measured):.0%}。"
 
 
 def floor_points(slow, sweep, ab, budget, cfg, dtype, peak_flops, bandwidth) -> list[tuple[str, L.Floor, float]]:
@@ -617,15 +602,8 @@ def glue_chapter(lab, *, scene, life, sweep, ab, budget, slow, small, rejection,
     v["life_ttft_ratio"] = f"{ours.ttft / alone.ttft:.0f}"
     v["scale"] = str(8192 // sum(m.num_prompt_tokens for m in ab[budget, "A"].metrics))
     points = floor_points(slow, sweep, ab, budget, cfg, dtype, P, W)
-    beaten = []
-    for what, floor, measured in points:
-        why = beaten_floor_words(floor, measured, profile)
-        above_floor(measured, floor, why=why)
-        if why:
-            beaten.append(f"{what}：{why}")
-    v["floors_words"] = choose(
-        not beaten, "每一个计时都落在它的下界之上。",
-        f"有 {len(beaten)} 个计时比它的下界还快。" + "".join(beaten))
+    checks = [(measured, floor, profile_beat_words(measured, floor, profile, what)) for what, floor, measured in points]
+    v["floors_words"] = beaten_words(floors_beaten(checks), "每一个计时都落在它的下界之上。")
     a_row = ab_rows(ab, cfg, dtype, P, W)[budget]
     v["ab_floor_words"] = floor_sentence(a_row["a_floor"], a_row["a"], profile)
     _glue(v)
@@ -795,7 +773,7 @@ def _overhead_words(floor: L.Floor, step: float, profile) -> str:
     return choose(
         share < 0.5, f"这些固定开销账本不数，在这么小的模型上占了大头：下界只占实测的 {share:.0%}。",
         choose(share <= 1, f"这些固定开销账本不数；在这台机器上它们不到实测的一半，下界占了 {share:.0%}。",
-               beaten_floor_words(floor, step, profile) or ""))
+               floor_sentence(floor, step, profile)))
 
 
 def _failure_values(small: Run, rejection: tuple) -> dict[str, str]:

@@ -16,11 +16,11 @@ import torch
 
 from minillm.engine.config import load_config
 from minillm.lab import estimate as L
-from minillm.lab.claims import above_floor, choose, claim
+from minillm.lab.claims import choose, claim, floors_beaten
 from minillm.lab.estimate import GB, GiB, KiB, MiB, fmt_int
 from minillm.lab.gpus import gpu_specs, lookup_gpu
 from minillm.lab.notebook import ms
-from minillm.lab.report import floor_words, linear_beat_words, show_table
+from minillm.lab.report import beaten_words, floor_words, linear_beat_words, show_table
 
 MODEL, CARD = "llama-3.1-8b", "H100 SXM"
 SHORT, LONG = 16, 8192  # the page's question: a short question, an 8K contract
@@ -405,7 +405,7 @@ def glue_chapter(lab, s: Sweep, logits: dict[bool, float], logits_n: int) -> dic
 
     cfg, dtype, words = s.cfg, s.dtype, profile_words(lab.profile)
     small, large = s.lengths[0], s.lengths[-1]
-    beaten = [n for n in s.lengths if not above_floor(s.forward[n], s.floor(n), _beat_why(s, n))]
+    beaten = floors_beaten((s.forward[n], s.floor(n), _beat_why(s, n)) for n in s.lengths)
     bw_side = [n for n in s.lengths if s.floor(n).bound == "memory"]
     mid = next((n for n in s.lengths[1:-1] if n >= s.crossover), s.lengths[len(s.lengths) // 2])
     points = (small, mid, large)
@@ -426,10 +426,7 @@ def glue_chapter(lab, s: Sweep, logits: dict[bool, float], logits_n: int) -> dic
         f"这台机器的脊点只有 {words['ridge']} FLOP/字节，{dtype} 的权重每个参数 {L.dtype_bytes(dtype)} 字节，"
         f"所以只有 n = {v['bw_side']} 落在带宽一侧，从 n = {fmt_int(s.crossover)} 起都受算力限制。",
         f"这台机器的脊点只有 {words['ridge']} FLOP/字节，扫到的每个 n 都受算力限制。")
-    v["beaten"] = choose(
-        not beaten, "扫到的每个 n，实测都不低于下界。",
-        "n = " + "、".join(fmt_int(n) for n in beaten) + " 的实测比下界还快：" +
-        "；".join(_beat_why(s, n) for n in beaten) + "。那个探测值不是这种运算的上限。")
+    v["beaten"] = beaten_words(beaten, "扫到的每个 n，实测都不低于下界。", "那个探测值不是这种运算的上限。")
     # The two ends of the sweep, item by item
     rate, read = s.shape_rate(large), s.read_rate(small)
     rest_small = s.forward[small] - s.linear[small]

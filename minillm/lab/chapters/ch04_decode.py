@@ -16,10 +16,10 @@ import torch
 
 from minillm.engine.config import load_config
 from minillm.lab import estimate as L
-from minillm.lab.claims import above_floor, choose, claim
+from minillm.lab.claims import choose, claim, floors_beaten
 from minillm.lab.estimate import GB, GiB, KiB, MiB, fmt_int
 from minillm.lab.gpus import lookup_gpu
-from minillm.lab.report import floor_words, show_table
+from minillm.lab.report import beaten_words, floor_words, linear_beat_words, show_table
 
 MODEL, CARD, CTX, UTIL = "llama-3.1-8b", "H100 SXM", 1024, 0.92
 CARDS = ("A100 80GB SXM", "H100 SXM", "H200", "RTX 4090", "A10", "L4")
@@ -250,6 +250,12 @@ class DecodeSweep:
         """Bytes/s at which the linear layers alone read their weights at ``batch`` rows."""
         return L.matmul_param_count(self.cfg) * L.dtype_bytes(self.dtype) / self.linear[batch]
 
+    def why(self, batch: int, ctx: int) -> str | None:
+        """Why the step at (``batch``, ``ctx``) beat its floor, from the linear layers timed alone
+        at ``batch`` rows; None when it did not, or nothing explains it."""
+        return linear_beat_words(self.step[batch, ctx], self.floor(batch, ctx), self.linear_rate(batch),
+                                 self.linear_read(batch), f"B = {batch}、c = {fmt_int(ctx)} 时")
+
     def points(self, ctx: int) -> list[int]:
         return sorted(b for b, c in self.step if c == ctx)
 
@@ -257,18 +263,17 @@ class DecodeSweep:
 def decode_sweep(model, batches, ctx: int, contexts, peak_flops: float, bandwidth: float,
                  steps: int = STEPS, rounds: int = ROUNDS) -> DecodeSweep:
     """Time a decode step (``bench.time_decode_step``, the benchmark's function) of each batch at
-    ``ctx`` beside the linear layers alone (from two rows on: one row is chapter 3's prefill of
-    one token, timed there), and of the middle batch at each of ``contexts``; ``rounds`` passes
-    over all points, the fastest sample kept."""
+    ``ctx`` beside the linear layers alone at as many rows, and of the middle batch at each of
+    ``contexts``; ``rounds`` passes over all points, the fastest sample kept."""
     from minillm.lab.bench import time_decode_step
 
     dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
     points = [(b, ctx) for b in batches] + [(context_batch(batches), c) for c in contexts if c != ctx]
-    step, linear = {p: [] for p in points}, {b: [] for b in batches if b > 1}
+    step, linear = {p: [] for p in points}, {b: [] for b in batches}
     for _ in range(rounds):
         for b, c in points:
             step[b, c] += time_decode_step(model, b, c, steps)
-            if c == ctx and b > 1:
+            if c == ctx:
                 linear[b] += linear_seconds(model, b, steps)
     return DecodeSweep(model.config, dtype, peak_flops, bandwidth, {p: min(t) for p, t in step.items()},
                        {b: min(t) for b, t in linear.items()})
@@ -457,8 +462,7 @@ def glue_chapter(lab, s: DecodeSweep, ctx: int, samplers: dict, sampler_rows: in
 
     cfg, dtype, words = s.cfg, s.dtype, profile_words(lab.profile)
     batches = s.points(ctx)
-    for point, t in s.step.items():
-        above_floor(t, s.floor(*point))
+    beaten = floors_beaten((t, s.floor(*point), s.why(*point)) for point, t in s.step.items())
     bw = [b for b in batches if s.floor(b, ctx).bound == "memory"]
     cp = [b for b in batches if s.floor(b, ctx).bound == "compute"]
     claim(bool(bw) and bw[0] == 1, "B = 1 的解码在本机上受带宽限制", batches=batches)
@@ -496,9 +500,9 @@ def glue_chapter(lab, s: DecodeSweep, ctx: int, samplers: dict, sampler_rows: in
             "实测涨得和下界一样快：这台机器上，批再大也换不来多少吞吐。")
     else:
         v["growth_cp"] = "扫到的批都没有越过脊点：批越大，总吞吐越高。"
-    # Item by item: the linear layers alone, on each side (from two rows on)
-    first = min(s.linear)
-    lin_side = mid if mid in s.linear else first
+    v["floors"] = beaten_words(beaten, "扫到的每一步都不低于它的下界。", "探测的方阵乘法和拷贝不是这些线性层的上限。")
+    # Item by item: the linear layers alone, on each side
+    lin_side = mid
     read, rate = s.linear_read(lin_side), s.linear_rate(hi)
     v.update({"lin_b": str(lin_side), "lin_t": ms(s.linear[lin_side]), "lin_read": f"{read / GB:,.1f} GB/s",
               "lin_read_frac": f"{read / s.bandwidth:.0%}",
@@ -515,13 +519,17 @@ def glue_chapter(lab, s: DecodeSweep, ctx: int, samplers: dict, sampler_rows: in
         f"是拷贝探测的 {v['lin_read_frac']}：几行的矩阵乘边读边算，一个线程喂不满内存总线。",
         f"B = {lin_side} 时线性层单独跑，读 {v['lin_bytes']} 的权重用了 {v['lin_t']}，读速度 {v['lin_read']}，"
         f"比拷贝探测还快（{v['lin_read_frac']}）：只读不写，探测的拷贝带宽不是它的上限。")
-    v["compute_words"] = choose(
-        bool(cp),
-        f"算力一侧的差距不在带宽：B = {hi} 时下界是实测的 {v['share_hi']}，卡住它的是 F/P；"
-        f"线性层单独跑出 {rate / 1e9:,.1f} GFLOP/s，是方阵探测 {words['flops']} 的 {rate / s.peak_flops:.0%}。"
-        f"只有 {hi} 行的矩阵乘又窄又扁，矩阵乘库喂不满计算单元。",
-        f"扫到的批都在带宽一侧，线性层在 B = {hi} 时单独跑出 {rate / 1e9:,.1f} GFLOP/s，离方阵探测的 {words['flops']} 还远，"
-        "用不着它。")
+    if not cp:
+        v["compute_words"] = (f"扫到的批都在带宽一侧，线性层在 B = {hi} 时单独跑出 {rate / 1e9:,.1f} GFLOP/s，"
+                              f"离方阵探测的 {words['flops']} 还远，用不着它。")
+    else:
+        v["compute_words"] = choose(
+            rate < s.peak_flops,
+            f"算力一侧的差距不在带宽：B = {hi} 时下界是实测的 {v['share_hi']}，卡住它的是 F/P；"
+            f"线性层单独跑出 {rate / 1e9:,.1f} GFLOP/s，是方阵探测 {words['flops']} 的 {rate / s.peak_flops:.0%}。"
+            f"只有 {hi} 行的矩阵乘又窄又扁，矩阵乘库喂不满计算单元。",
+            f"算力一侧，B = {hi} 时线性层单独跑出 {rate / 1e9:,.1f} GFLOP/s，不低于方阵探测的 {words['flops']}："
+            f"只有 {hi} 行的矩阵乘也跑到了探测值，那个方阵不是它的上限。")
     # Contexts: the KV reads that no batch shares
     cb = context_batch(batches)
     ctxs = sorted(c for b, c in s.step if b == cb)

@@ -15,11 +15,11 @@ import torch
 
 from minillm.engine.config import load_config
 from minillm.lab import estimate as L
-from minillm.lab.claims import above_floor, choose, claim
+from minillm.lab.claims import choose, claim, floors_beaten
 from minillm.lab.estimate import GB, GiB, KiB, fmt_int
 from minillm.lab.gpus import lookup_gpu
 from minillm.lab.notebook import ms
-from minillm.lab.report import floor_words, linear_beat_words, show_table
+from minillm.lab.report import beaten_words, floor_words, linear_beat_words, show_table
 
 MODEL, CARD, UTIL = "llama-3.1-8b", "H100 SXM", 0.92
 STEP_TS = (1024, 4096, 8192)
@@ -203,14 +203,17 @@ class Steps:
     def measured(self, t: int, use_cache: bool) -> float:
         return (self.cached if use_cache else self.recompute)[t]
 
-    def why(self, t: int, use_cache: bool) -> str | None:
-        """Why the step at ``t`` beat its floor, from the linear layers timed beside it (FLOP/s and
-        weight-read bytes/s at the step's rows); None when it did not, or nothing explains it."""
+    def linear_rates(self, t: int, use_cache: bool) -> tuple[float, float]:
+        """FLOP/s and weight-read bytes/s of the linear layers timed alone at the step's rows."""
         rows = 1 if use_cache else t
         seconds = self.linear[rows]
-        return linear_beat_words(self.measured(t, use_cache), self.floor(t, use_cache),
-                                 L.prefill(self.cfg, rows, self.dtype).linear_flops / seconds,
-                                 L.matmul_weight_bytes(self.cfg, rows, self.dtype) / seconds,
+        return (L.prefill(self.cfg, rows, self.dtype).linear_flops / seconds,
+                L.matmul_weight_bytes(self.cfg, rows, self.dtype) / seconds)
+
+    def why(self, t: int, use_cache: bool) -> str | None:
+        """Why the step at ``t`` beat its floor, from the linear layers timed beside it
+        (``linear_rates``); None when it did not, or nothing explains it."""
+        return linear_beat_words(self.measured(t, use_cache), self.floor(t, use_cache), *self.linear_rates(t, use_cache),
                                  f"带 cache、t = {fmt_int(t)} 时" if use_cache else f"重算 t = {fmt_int(t)} 个 token 时")
 
     @property
@@ -465,24 +468,10 @@ def gqa_points(lab):
     return GQA_POINTS_GPU if lab.on_gpu else GQA_POINTS_CPU
 
 
-def beaten_floors(s: Steps, g: GqaMha) -> list[str | None]:
-    """Every timed step of the lab against its floor (``claims.above_floor``, with its ``why``):
-    the explanations of those that beat it, None for one that nothing explains."""
+def floor_checks(s: Steps, g: GqaMha) -> list[tuple]:
+    """Every timed step of the lab with its floor and its ``why`` (for ``claims.floors_beaten``)."""
     checks = [(s.measured(t, u), s.floor(t, u), s.why(t, u)) for t in s.ts for u in (True, False)]
-    checks += [(g.times[name][p], g.floor(name, p), g.why(name, p)) for name in ("GQA", "MHA") for p in g.points]
-    return [why for measured, floor, why in checks if not above_floor(measured, floor, why)]
-
-
-def floors_words(beaten: list[str | None]) -> str:
-    """The page's sentence on the floors: all held, or which were beaten and why."""
-    unexplained = beaten.count(None)
-    return choose(
-        not beaten, "带 cache 的一步、重算的一步、GQA 和 MHA 的解码步，每一个计时都不低于它的下界 max(F/P, M/W)。",
-        choose(not unexplained,
-               f"有 {len(beaten)} 个计时比它的下界还快：" + "；".join(why for why in beaten if why) +
-               "。探测用的方阵乘法和拷贝不是这些运算的上限，按探测值算出的下界对它们并不成立。",
-               f"有 {len(beaten)} 个计时比它的下界还快，其中 {unexplained} 个连模型自己的线性层单独跑都没有快过探测值，"
-               "这个实验量到的数解释不了。"))
+    return checks + [(g.times[name][p], g.floor(name, p), g.why(name, p)) for name in ("GQA", "MHA") for p in g.points]
 
 
 def glue_chapter(lab, s: Steps, gen: Generation, kv_rows, waste: Waste, g: GqaMha) -> dict[str, str]:
@@ -502,15 +491,17 @@ def glue_chapter(lab, s: Steps, gen: Generation, kv_rows, waste: Waste, g: GqaMh
     claim(c_max.bound == "memory", "带 cache 的一步在本机上受带宽限制", t=t_max, bound=c_max.bound)
     claim(r_max.bound == "compute", "重算的一步在本机上受算力限制", t=t_max, bound=r_max.bound)
     claim(s.recompute[t_max] > s.cached[t_max], "最长的 t 上重算比带 cache 慢")
-    v["floors"] = floors_words(beaten_floors(s, g))
-    read = L.matmul_weight_bytes(cfg, 1, dtype) / s.linear[1]  # the cached step's linear layers, timed alone
+    v["floors"] = beaten_words(floors_beaten(floor_checks(s, g)),
+                               "带 cache 的一步、重算的一步、GQA 和 MHA 的解码步，每一个计时都不低于它的下界 max(F/P, M/W)。",
+                               "探测用的方阵乘法和拷贝不是这些运算的上限，按探测值算出的下界对它们并不成立。")
+    _, read = s.linear_rates(t_max, True)
     v["cached_why"] = choose(
         read < s.bandwidth,
         f"单独计时的线性层读权重只有 {read / 1e9:,.1f} GB/s，比拷贝探测的 {s.bandwidth / 1e9:,.1f} GB/s 慢；这一步还要付每步的固定开销。",
         f"单独计时的线性层读权重有 {read / 1e9:,.1f} GB/s，不比拷贝探测的 {s.bandwidth / 1e9:,.1f} GB/s 慢，差距主要是每步的固定开销。")
     linear_share = s.linear[t_max] / s.recompute[t_max]
     claim(linear_share < 1, "重算一步里单独计时的线性层比整步短", share=linear_share)
-    rate = L.prefill(cfg, t_max, dtype).linear_flops / s.linear[t_max]
+    rate, _ = s.linear_rates(t_max, False)
     v["recompute_why"] = choose(
         rate < s.peak_flops,
         f"单独计时的线性层只占这一步的 {linear_share:.0%}，其余是注意力和账本外的逐元素运算；线性层自己也只跑出 "

@@ -287,7 +287,7 @@ def plot_kernel(points: list[dict], bandwidth: float, backend: str, title: str):
             label=f"实测：分页解码注意力（{backend}）")
     ax.plot(ctxs, [p["floor"].bytes / p["contiguous_s"] / GB for p in points], "s--", color="#777777",
             label="实测：连续张量上的 SDPA")
-    ax.axhline(bandwidth / GB, color="#000000", lw=1.2, label="本机拷贝带宽（机器档案）")
+    ax.axhline(bandwidth / GB, color="#000000", lw=1.2, label="本机拷贝带宽（机器画像）")
     ax.set_xscale("log", base=2)
     ax.set_ylim(bottom=0)
     ax.set_xlabel("每个请求的上下文（token）")

@@ -505,23 +505,6 @@ def comparison(r: dict):
     ])
 
 
-def why_below(measured: float, floor: Floor, profile) -> str | None:
-    """Why a measured time came in under its floor, in numbers (None when it did not): the rate
-    the step really reached against the machine profile's ceiling that the floor divided by."""
-    if measured >= floor.seconds:
-        return None
-    load = "" if profile.load_average is None else f"，探测时 1 分钟平均负载 {profile.load_average:.1f}"
-    if floor.bound == "compute":
-        rate, ceiling, what = floor.flops / measured, floor.peak_flops, "运算"
-        unit, scale = "GFLOP/s", 1e9
-    else:
-        rate, ceiling, what = floor.bytes / measured, floor.bandwidth, "读写"
-        unit, scale = "GB/s", 1e9
-    return (f"这一步实际的{what}达到 {rate / scale:,.1f} {unit}，高于机器档案的 {ceiling / scale:,.1f} {unit}"
-            f"（一个方阵乘法或一次大拷贝的速率，每次构建只探测一次{load}）：档案里的这个天花板对这一步偏低，"
-            "按它算出的“下界”这一次并不成立")
-
-
 def throughput_record() -> str | None:
     """The minillm / transformers ratio of the newest GPU throughput record, if there is one."""
     from minillm.lab import records
@@ -535,9 +518,9 @@ def throughput_record() -> str | None:
 
 def glue_chapter(r: dict) -> None:
     """Glue every number and sentence the chapter quotes from this lab (``r``: the lab's results)."""
-    from minillm.lab.claims import above_floor, choose, claim
+    from minillm.lab.claims import choose, claim, floors_beaten
     from minillm.lab.notebook import g
-    from minillm.lab.report import NOT_RECORDED
+    from minillm.lab.report import NOT_RECORDED, beaten_words, profile_beat_words
 
     lab = r["lab"]
     for key, value in contract_words(contract_on_gpu()).items():
@@ -601,12 +584,9 @@ def glue_chapter(r: dict) -> None:
     off, on, cest = k["runs"][False], k["runs"][True], k["est"]
     claim(all(off["outputs"][i].token_ids == on["outputs"][i].token_ids for i in off["outputs"]),
           "chunking never changes the greedy tokens")
-    whys = [why_below(run["slowest_step"], floor, lab.profile) for run, floor in ((off, cest.whole), (on, cest.worst_chunk))]
-    above_floor(off["slowest_step"], cest.whole, why=whys[0])
-    above_floor(on["slowest_step"], cest.worst_chunk, why=whys[1])
-    g("contract_floor_note", choose(
-        not any(whys), "两步都比下界慢，差在哪里见本章最后一节。",
-        "实测有一步比它的“下界”还快：" + "；".join(w for w in whys if w) + "。"))
+    steps = (("不分块时最慢的那一步", off["slowest_step"], cest.whole), ("分块后最慢的那一步", on["slowest_step"], cest.worst_chunk))
+    checks = [(measured, floor, profile_beat_words(measured, floor, lab.profile, what)) for what, measured, floor in steps]
+    g("contract_floor_note", beaten_words(floors_beaten(checks), "两步都比下界慢，差在哪里见本章最后一节。"))
     claim(on["worst_gap"] < off["worst_gap"], "chunking shortens the decoders' longest wait",
           on=on["worst_gap"], off=off["worst_gap"])
     g("contract_len", fmt_int(cest.prompt_len))

@@ -384,8 +384,9 @@ def comparison(r: dict):
 
 def glue_chapter(r: dict) -> None:
     """Glue every number and sentence the chapter quotes from this lab (``r``: the lab's results)."""
-    from minillm.lab.claims import above_floor, choose, claim
+    from minillm.lab.claims import choose, claim, floors_beaten
     from minillm.lab.notebook import g
+    from minillm.lab.report import beaten_words, profile_beat_words
 
     lab, sc = r["lab"], r["scene"]
     g("device", lab.device_name)
@@ -479,12 +480,10 @@ def glue_chapter(r: dict) -> None:
         f"代价在首字：短问题 TTFT 的 p99 从 {ms(plain['ttft']['p99'])} 变成 {ms(chunked['ttft']['p99'])}，"
         "同样多的 prompt 要多走几步，每一步都要给所有正在解码的人各采样一个 token、各推一个 SSE 块。",
         f"短问题 TTFT 的 p99 从 {ms(plain['ttft']['p99'])} 变成 {ms(chunked['ttft']['p99'])}，没有变长。"))
-    whys = []
+    checks = []
     for name, floor in (("不分块", floors.whole), ("分块", floors.worst_chunk)):
         measured = q[name]["max_itl"]["p50"]
-        why = ch08.why_below(measured, floor, lab.profile)
-        above_floor(measured, floor, why=why)
-        whys.append(why)
+        checks.append((measured, floor, profile_beat_words(measured, floor, lab.profile, f"{name}时最长的停顿")))
         key = "plain" if name == "不分块" else "chunked"
         g(f"{key}_stall_floor", ms(floor.seconds))
         g(f"{key}_stall_bound", ch08.BOUND[floor.bound])
@@ -500,10 +499,7 @@ def glue_chapter(r: dict) -> None:
         f"两种停顿之比，按下界约 {floor_ratio:.1f} 倍，实测 {measured_ratio:.1f} 倍：停顿的长短基本由一步里算多少 prompt token 决定。",
         f"两种停顿之比，按下界约 {floor_ratio:.1f} 倍，实测是 {measured_ratio:.1f} 倍：一步里还有不随 prompt 长度"
         "成比例的部分（每步给所有人采样、推 SSE 块的固定开销，CPU 上注意力的参考实现），在这台机器上分量不小。"))
-    if any(whys):
-        g("stall_floor_note", "实测有一步比它的“下界”还快：" + "；".join(w for w in whys if w) + "。")
-    else:
-        g("stall_floor_note", "两种停顿都比各自的下界长。")
+    g("stall_floor_note", beaten_words(floors_beaten(checks), "两种停顿都比各自的下界长。"))
 
     # the flood
     f = r["flood"]["record"]["summary"]

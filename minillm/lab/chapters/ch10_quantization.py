@@ -178,31 +178,41 @@ def time_linears(device, shape=(4096, 4096), repeats: int = 20) -> list[dict]:
 
 
 def measure_speed(lab, formats=MEASURED, batches=(1, 8), ctx: int = 256, steps: int = 8) -> dict:
-    """``bench decode`` for each format: the baseline and the format timed in turns in one run, at
-    the lab model's shape (random weights: timing does not depend on their values). Maps each
-    format to its points (``variant``, ``batch``, ``median_s``, ``speedup``, ``estimate``)."""
+    """One ``bench decode`` run: at every point the baseline and each format timed in turns, at the
+    lab model's shape (random weights: timing does not depend on their values). Returns the
+    formats and the run's points (``variant``, ``batch``, ``median_s``, ``speedup``, ``estimate``)."""
     from minillm.lab.bench import bench_decode
 
-    return {f: bench_decode(lab.model_name, device=lab.device, dtype=lab.dtype, batches=batches,
-                            contexts=(ctx,), steps=steps, quantization=f.quantization,
-                            group_size=f.group_size, kv_cache_dtype=f.kv_cache_dtype)["points"]
-            for f in formats}
+    (group_size,) = {f.group_size for f in formats}
+    points = bench_decode(lab.model_name, device=lab.device, dtype=lab.dtype, batches=batches, contexts=(ctx,),
+                          steps=steps, variants=[(f.quantization, f.kv_cache_dtype) for f in formats],
+                          group_size=group_size)["points"]
+    return {"formats": formats, "points": points}
 
 
 def speed_rows(speed: dict, cfg, dtype: str) -> list[dict]:
-    """Per format and batch: measured speedup over the baseline beside two bytes ratios, the
-    ledger's (all weights and the KV) and the bytes decode really reads (no embedding table)."""
+    """Per format and batch: measured speedup over the run's one baseline beside two bytes ratios,
+    the ledger's (all weights and the KV) and the bytes decode really reads (no embedding table)."""
+    from minillm.lab.bench import variant_name
+
+    base = {(p["batch"], p["ctx"]): p for p in speed["points"] if p["variant"] == "baseline"}
     rows = []
-    for f, points in speed.items():
-        for base, quant in zip(points[0::2], points[1::2]):
-            kv = base["estimate"]["kv_read_bytes"], quant["estimate"]["kv_read_bytes"]
+    for f in speed["formats"]:
+        for quant in (p for p in speed["points"] if p["variant"] == variant_name(f.quantization, f.kv_cache_dtype)):
+            b = base[quant["batch"], quant["ctx"]]
+            kv = b["estimate"]["kv_read_bytes"], quant["estimate"]["kv_read_bytes"]
             read = (decode_read_bytes(cfg, dtype) + kv[0]) / (
                 decode_read_bytes(cfg, dtype, f.quantization, f.group_size) + kv[1])
-            rows.append({"format": f, "batch": base["batch"], "ctx": base["ctx"],
-                         "baseline_ms": base["median_s"] * 1e3, "ms": quant["median_s"] * 1e3,
-                         "speedup": quant["speedup"], "ledger_ratio": base["estimate"]["bytes"] / quant["estimate"]["bytes"],
+            rows.append({"format": f, "batch": quant["batch"], "ctx": quant["ctx"],
+                         "baseline_ms": b["median_s"] * 1e3, "ms": quant["median_s"] * 1e3,
+                         "speedup": quant["speedup"], "ledger_ratio": b["estimate"]["bytes"] / quant["estimate"]["bytes"],
                          "read_ratio": read})
     return rows
+
+
+def baselines(rows: list[dict]) -> dict[int, float]:
+    """The run's one baseline ms per step at each batch (every format's row carries it)."""
+    return {r["batch"]: r["baseline_ms"] for r in rows}
 
 
 def measure_quality(lab, formats=MEASURED, tokens: int = 2048, window: int = 512) -> dict:
@@ -239,11 +249,15 @@ def show_linears(rows: list[dict]):
 
 
 def show_speed(rows: list[dict], dtype: str):
+    """Each batch's baseline once, then every format timed beside it."""
     from minillm.lab.report import show_table
 
-    show_table(["格式", "批", "基线 ms/步", "量化后 ms/步", "实测加速", "账本字节之比", "解码实读字节之比"], [
-        [r["format"].label(dtype), r["batch"], f"{r['baseline_ms']:,.1f}", f"{r['ms']:,.1f}",
-         f"{r['speedup']:.2f}×", f"{r['ledger_ratio']:.2f}×", f"{r['read_ratio']:.2f}×"] for r in rows])
+    table = []
+    for batch, base_ms in baselines(rows).items():
+        table.append([f"{BASELINE.label(dtype)}（基线）", batch, f"{base_ms:,.1f}", "1.00×", "1.00×", "1.00×"])
+        table += [[r["format"].label(dtype), batch, f"{r['ms']:,.1f}", f"{r['speedup']:.2f}×",
+                   f"{r['ledger_ratio']:.2f}×", f"{r['read_ratio']:.2f}×"] for r in rows if r["batch"] == batch]
+    show_table(["格式", "批", "ms/步", "实测加速", "账本字节之比", "解码实读字节之比"], table)
 
 
 def show_quality(quality: dict, dtype: str):
@@ -255,16 +269,16 @@ def show_quality(quality: dict, dtype: str):
 
 
 def show_costs(rows: list[dict], price_per_hour: float, dtype: str):
-    """Tokens per second measured here, each format beside the baseline of its own run, and what a
+    """Tokens per second measured here (the baseline once per batch, then every format) and what a
     million of them cost at ``price_per_hour``."""
     from minillm.lab.report import show_table
 
-    def cost(batch, ms):
-        return f"{batch / ms * 1e3:,.1f} tok/s，{cost_per_million(batch / ms * 1e3, price_per_hour):,.2f} 美元"
-
-    show_table(["格式", "批", f"基线（{dtype}）：tok/s，每百万 token", "这个格式：tok/s，每百万 token"], [
-        [r["format"].label(dtype), r["batch"], cost(r["batch"], r["baseline_ms"]), cost(r["batch"], r["ms"])]
-        for r in rows])
+    table = []
+    for batch, base_ms in baselines(rows).items():
+        table += [[label, batch, f"{batch / step_ms * 1e3:,.1f}", f"{cost_per_million(batch / step_ms * 1e3, price_per_hour):,.2f}"]
+                  for label, step_ms in [(f"{BASELINE.label(dtype)}（基线）", base_ms)] +
+                  [(r["format"].label(dtype), r["ms"]) for r in rows if r["batch"] == batch]]
+    show_table(["格式", "批", "tok/s", "每百万 token（美元）"], table)
 
 
 def plot_speedup(rows: list[dict], dtype: str, batch: int = 1):
@@ -312,16 +326,16 @@ def comparison(r: dict):
 
     record = latest("decode", model="llama-3.1-8b")
 
-    def recorded_speedup(rec, q):
-        hits = [p["speedup"] for p in rec.results["points"] if p.get("variant") == "quantized" and "speedup" in p
-                and (rec.results.get("quantization") or {}).get("quantization") == q and p["batch"] == 1]
+    def recorded_speedup(rec, f: Format):
+        hits = [p["speedup"] for p in rec.results["points"] if "speedup" in p and p["batch"] == 1
+                and (p.get("quantization"), p.get("kv_cache_dtype")) == (f.quantization, f.kv_cache_dtype)]
         return f"{hits[0]:.2f}×" if hits else None
 
     rows = []
     for row in (x for x in r["speed"] if x["batch"] == 1):
-        q = row["format"].quantization
-        rows.append((f"B=1 解码加速：{row['format'].label(r['dtype'])}", f"{row['read_ratio']:.2f}×（实读字节之比）",
-                     f"{row['speedup']:.2f}×", recorded(record, lambda rec, q=q: recorded_speedup(rec, q))))
+        f = row["format"]
+        rows.append((f"B=1 解码加速：{f.label(r['dtype'])}", f"{row['read_ratio']:.2f}×（实读字节之比）",
+                     f"{row['speedup']:.2f}×", recorded(record, lambda rec, f=f: recorded_speedup(rec, f))))
     for f, q in r["quality"].items():
         if f != BASELINE:
             rows.append((f"困惑度：{f.label(r['dtype'])}", "—", f"{q['ratio'] - 1:+.2%}", None))
@@ -395,7 +409,7 @@ def glue_chapter(r: dict) -> None:
         g(f"lab_{key}_ppl_delta", f"{q['ratio'] - 1:+.2%}")
         g(f"lab_{key}_top1", f"{q['top1']:.1%}")
         g(f"lab_{key}_sentence", speedup_sentence(by[(f, 1)], fp32_slower))
-    g("lab_base_b1_ms", f"{by[(MEASURED[1], 1)]['baseline_ms']:,.1f} ms")
+    g("lab_base_b1_ms", f"{baselines(r['speed'])[1]:,.1f} ms")
     q4, q8 = r["quality"][MEASURED[1]]["ratio"], r["quality"][MEASURED[0]]["ratio"]
     g("lab_quality_order", choose(q8 > q4, "于是字节多一倍的 int8，困惑度反而比 int4 涨得多：int4 的网格就是检查点的网格，int8 的不是。",
                                   "int8 的困惑度涨得不比 int4 多。"))
@@ -425,5 +439,5 @@ def glue_chapter(r: dict) -> None:
     g("lab_fp8_big", fp8_big_sentence(by[(MEASURED[2], batches[-1])], lab.on_gpu))
     g("lab_price", f"{r['price_per_hour']:.2f}")
     for key, f in (("base", BASELINE), ("int4", MEASURED[1])):
-        tok_s = 1e3 / (by[(MEASURED[1], 1)]["baseline_ms"] if f == BASELINE else int4["ms"])
+        tok_s = 1e3 / (baselines(r["speed"])[1] if f == BASELINE else int4["ms"])
         g(f"lab_cost_{key}", f"{cost_per_million(tok_s, r['price_per_hour']):,.2f}")

@@ -192,6 +192,8 @@ def tau_sentence(measured: float, formula: float) -> str:
     """Where the measured tokens per verify stand against τ from the measured acceptance rate."""
     from minillm.lab.claims import choose
 
+    if formula <= 1:
+        return "一个猜测也没被接受（α = 0）：每次验证只产出目标模型自己算出的那一个 token，公式给的 τ 也正好是 1。"
     if abs(measured - formula) <= 0.1 * formula:
         return "实测的每次验证产出和公式算出的 τ 相差不到一成：这段文本上，每个猜测被接受的机会大致一样。"
     return choose(measured > formula,
