@@ -82,3 +82,9 @@ def test_a_client_that_hangs_up_leaves_nothing_held():
     assert running == 1 and waiting == 0 and kv > 0
     assert ch09.freed(hung) and hung["polls"][-1][0] < ch09.HANG_UP_WITHIN
     assert not ch09.freed({"polls": [(0.0, 1.0, 0.0, 0.1)]})
+
+
+def test_the_chunked_ttft_sentence_follows_the_p99s():
+    assert ch09.chunk_ttft_words(0.100, 0.150).startswith("分块的代价在首字：短问题 TTFT 的 p99 从 100.0 ms 变成 150.0 ms")
+    assert ch09.chunk_ttft_words(0.100, 0.105).endswith("相差不到一成。")
+    assert "反而短了" in ch09.chunk_ttft_words(0.100, 0.050)

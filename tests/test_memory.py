@@ -94,6 +94,7 @@ def test_131072_does_not_fit_and_the_error_names_a_length_that_does():
     assert 0 < longest < 131072
     assert f"{longest:,}" in str(err.value) and "131,072" in str(err.value)
     assert plan("llama-3.1-8b", gpu_memory="24GiB", max_model_len=longest).max_model_len == longest
+    assert plan("llama-3.1-8b", gpu_memory="24GiB", max_model_len=-1).max_model_len == longest  # ch06 lab says so
     with pytest.raises(MemoryPlanError):
         plan("llama-3.1-8b", gpu_memory="24GiB", max_model_len=longest + 1)
 

@@ -8,6 +8,7 @@ The floor of the step that carries the contract is chapter 8's (:func:`ch08_sche
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -37,21 +38,27 @@ class Scene:
     budget: int  # max_num_batched_tokens: tokens one engine step may compute
     output: int  # tokens each colleague asks for
     vocab_size: int
+    contract_lag: float  # seconds after the others that the contract arrives: they are already in the engine
 
     @property
     def colleagues(self):
         """The twenty colleagues (``loadgen``'s workload), the contract among them."""
-        from minillm.lab.loadgen import serving_workload
-
-        return serving_workload("twenty-colleagues", self.vocab_size, COLLEAGUES, output_len=self.output,
-                                contract_len=self.contract, seed=0)
+        return self.warm_up(seed=0)
 
     def warm_up(self, seed: int = 1):
-        """The same scene with other prompts: an untimed first run (allocations, no prefix hits)."""
+        """The scene with other prompts (``seed``): an untimed first run (allocations, no prefix hits).
+        The others arrive at once, the contract ``contract_lag`` later: on the same instant the
+        order in which twenty connections reach the server is a race, and a contract that came in
+        first would stall no one."""
+        from dataclasses import replace
+
         from minillm.lab.loadgen import serving_workload
 
-        return serving_workload("twenty-colleagues", self.vocab_size, COLLEAGUES, output_len=self.output,
-                                contract_len=self.contract, seed=seed)
+        workload = serving_workload("twenty-colleagues", self.vocab_size, COLLEAGUES, output_len=self.output,
+                                    contract_len=self.contract, seed=seed)
+        index = workload.input_lens.index(self.contract)
+        arrivals = [self.contract_lag if i == index else t for i, t in enumerate(workload.arrival_times)]
+        return replace(workload, arrival_times=arrivals)
 
     @property
     def contract_index(self) -> int:
@@ -69,7 +76,8 @@ class Scene:
 
     def __str__(self) -> str:
         return (f"合同 {fmt_int(self.contract)} 个 token，每人要 {self.output} 个 token，每步预算 "
-                f"{fmt_int(self.budget)} 个 token，KV 池 {fmt_int(self.pool_blocks * BLOCK)} 个 token"
+                f"{fmt_int(self.budget)} 个 token，KV 池 {fmt_int(self.pool_blocks * BLOCK)} 个 token，"
+                f"合同晚到 {ms(self.contract_lag)}"
                 f"（长度是书里 GPU 场景的 1/{self.scale}）")
 
 
@@ -78,12 +86,12 @@ def scene(lab) -> Scene:
     the model and the pool; a quarter of it on the CPU or a card without that room."""
     from minillm.lab.notebook import enough_gpu_memory
 
-    full = Scene(1, 8192, 2048, 64, lab.config.vocab_size)
+    full = Scene(1, 8192, 2048, 64, lab.config.vocab_size, 0.05)
     need = L.weight_bytes(lab.config, lab.dtype_name) + full.pool_blocks * BLOCK * L.kv_bytes_per_token(
         lab.config, lab.dtype_name)
     if lab.on_gpu and enough_gpu_memory(lab.device, int(1.2 * need)):
         return full
-    return Scene(4, 8192 // 4, 2048 // 4, 64 // 4, lab.config.vocab_size)
+    return Scene(4, 8192 // 4, 2048 // 4, 64 // 4, lab.config.vocab_size, 0.05 if lab.on_gpu else 0.1)
 
 
 # --- Section 1: one streamed answer, the bytes on the wire, a client that hangs up ---------------
@@ -259,8 +267,14 @@ def plot_gauges(run: dict, contract_index: int):
 
 # --- Section 3: chunked prefill off and on, as the clients saw it --------------------------------
 
+def gauge_interval(lab) -> float:
+    """Seconds between the load generator's samples of the server's gauges in the timed bursts."""
+    return 0.05 if lab.on_gpu else 0.1
+
+
 def burst_settings(sc: Scene) -> dict:
-    """The two servers: the whole contract in one step (and a token for each decode), or chunks."""
+    """The two servers: the whole contract in one step (and a token for each decode), or chunks
+    (section 2's server)."""
     return {"不分块": dict(max_num_batched_tokens=sc.contract + COLLEAGUES, no_enable_chunked_prefill=True),
             "分块": dict(max_num_batched_tokens=sc.budget)}
 
@@ -382,6 +396,17 @@ def comparison(r: dict):
     ])
 
 
+def chunk_ttft_words(plain_p99: float, chunked_p99: float) -> str:
+    """What chunking did to the short questions' TTFT p99, as a whole sentence."""
+    change = f"短问题 TTFT 的 p99 从 {ms(plain_p99)} 变成 {ms(chunked_p99)}"
+    if chunked_p99 > 1.1 * plain_p99:
+        return (f"分块的代价在首字：{change}，同样多的 prompt 要多走几步，每一步都要给所有正在解码的人各采样一个 token、"
+                "各推一个 SSE 块。")
+    if chunked_p99 >= 0.9 * plain_p99:
+        return f"{change}，相差不到一成。"
+    return f"{change}，反而短了：不分块时，排在合同后面的短问题要等它整段的预填充算完。"
+
+
 def glue_chapter(r: dict) -> None:
     """Glue every number and sentence the chapter quotes from this lab (``r``: the lab's results)."""
     from minillm.lab.claims import choose, claim, floors_beaten
@@ -393,6 +418,7 @@ def glue_chapter(r: dict) -> None:
     g("model", lab.config.name)
     g("scale", str(sc.scale))
     g("contract", fmt_int(sc.contract))
+    g("contract_lag", ms(sc.contract_lag))
     g("budget", fmt_int(sc.budget))
     g("output", fmt_int(sc.output))
     g("pool_tokens", fmt_int(sc.pool_blocks * BLOCK))
@@ -446,6 +472,13 @@ def glue_chapter(r: dict) -> None:
         f"其余是排队（平均 {ms(both['colleagues']['queue'])}）和算 prompt。",
         f"同事们同时到达时，HTTP 这一层占了客户端 TTFT 的 {share:.0%}，比服务器里排队和算 prompt 的时间还多。"))
     alone_share = over["alone"] / both["alone"]["ttft"][0]
+    g("poisson_note", choose(
+        alone_share > share,
+        f"那时排队少，HTTP 这一层在 TTFT 里的比例更显眼：上面一个一个来的短请求里它占 {alone_share:.0%}，同时到达时只占 {share:.0%}。",
+        f"不过在这台机器上，一个一个来的短请求里 HTTP 这一层只占 TTFT 的 {alone_share:.0%}，并不比同时到达时的 {share:.0%} 显眼。"))
+    g("cores_note", choose(
+        lab.on_gpu, "这台机器上，负载生成器的事件循环、服务器的事件循环挤在同几个 CPU 核上，引擎的一步在卡上跑。",
+        f"这台机器上，负载生成器的事件循环、服务器的事件循环和引擎的一步挤在同 {os.cpu_count()} 个 CPU 核上。"))
     g("alone_note", choose(
         over["alone"] > 0,
         f"一个一个来的时候没有排队，客户端比服务器多等了 {ms(over['alone'])}，占它 TTFT 的 {alone_share:.0%}。",
@@ -474,12 +507,8 @@ def glue_chapter(r: dict) -> None:
         abs(chunked["tpot"]["p50"] - plain["tpot"]["p50"]) < 0.15 * plain["tpot"]["p50"],
         f"平均出字间隔几乎不变（TPOT 中位数 {ms(plain['tpot']['p50'])} 对 {ms(chunked['tpot']['p50'])}）："
         "合同的 prompt 总要有人算，摊到每个 token 上的时间差不多。",
-        f"平均出字间隔也变了：TPOT 中位数从 {ms(plain['tpot']['p50'])} 变成 {ms(chunked['tpot']['p50'])}。"))
-    g("chunk_ttft_note", choose(
-        chunked["ttft"]["p99"] > 1.1 * plain["ttft"]["p99"],
-        f"代价在首字：短问题 TTFT 的 p99 从 {ms(plain['ttft']['p99'])} 变成 {ms(chunked['ttft']['p99'])}，"
-        "同样多的 prompt 要多走几步，每一步都要给所有正在解码的人各采样一个 token、各推一个 SSE 块。",
-        f"短问题 TTFT 的 p99 从 {ms(plain['ttft']['p99'])} 变成 {ms(chunked['ttft']['p99'])}，没有变长。"))
+        f"平均出字间隔变了：TPOT 中位数从 {ms(plain['tpot']['p50'])} 变成 {ms(chunked['tpot']['p50'])}。"))
+    g("chunk_ttft_note", chunk_ttft_words(plain["ttft"]["p99"], chunked["ttft"]["p99"]))
     checks = []
     for name, floor in (("不分块", floors.whole), ("分块", floors.worst_chunk)):
         measured = q[name]["max_itl"]["p50"]
