@@ -43,8 +43,50 @@ def test_chat_ledger_finds_where_the_prefix_breaks():
     assert [r["lcp"] for r in rows] == [0, 52, 56]
     assert [r["reusable"] for r in rows] == [0, 48, 48]
     assert [r["reusable_1"] for r in rows] == [0, 52, 56]
-    assert rows[0]["broke"].startswith("第一轮") and rows[1]["broke"].startswith("上一轮")
-    assert rows[2]["broke"].startswith("模型的回答")
+    assert [r["break"] for r in rows] == ["first", "end", "retokenized"]
+    t3_rewritten = _turn([0, 1, 2, 77] + list(range(4, 50)), [300])  # the template changed turn 1's text
+    assert ch07.chat_ledger([t1, t3_rewritten], 16)[1]["break"] == "template"
+
+
+def test_chat_break_notes_count_only_retokenized_turns():
+    rows = [{"break": b} for b in ("first", "end", "retokenized", "retokenized")]
+    notes = ch07.chat_break_notes(rows)
+    assert "有 2 轮的公共前缀断在上一轮回答的中间" in notes["chat_broken_note"]
+    assert notes["chat_gap_note"].endswith("整块的截断，和文本再切词造成的断点。")
+    assert "再切词的断点这两处损失" in notes["chat_page_one_note"]
+    clean = ch07.chat_break_notes([{"break": b} for b in ("first", "end", "end")])
+    assert "每一轮的公共前缀也都一直延伸到上一轮算过的最后一个 token" in clean["chat_broken_note"]
+    assert "没有造成断点" in clean["chat_gap_note"] and "这一处损失" in clean["chat_page_one_note"]
+
+
+def test_kernel_block_note_turns_on_the_smallest_block_against_the_page():
+    slow = ch07.kernel_block_note({1: 300.0, 16: 200.0, 256: 190.0})
+    assert slow.startswith("块很小时它却明显变慢了（块 1 对块 16）") and "读取的连续性要求它别太小" in slow
+    # a large block that is slowest does not make the small-block sentence true
+    even = ch07.kernel_block_note({1: 210.0, 16: 200.0, 256: 400.0})
+    assert even.startswith("块很小时它也没有明显变慢（块 1 对块 16）") and "主要看利用率和记账" in even
+
+
+def test_lookup_note_explains_whichever_index_won():
+    radix = ch07.lookup_note(hash_us=400.0, radix_us=100.0)
+    assert radix.startswith("基数树快 4.0 倍：") and "压在一个节点里" in radix
+    chain = ch07.lookup_note(hash_us=100.0, radix_us=250.0)
+    assert chain.startswith("这一次反倒是哈希链快 2.5 倍。") and "谁快取决于" in chain
+
+
+def test_lookup_scaling_note_asks_for_time_per_token_within_2x():
+    lengths = [1000, 4000]
+    even = ch07.lookup_scaling_note(lengths, {"hash": [60.0, 250.0], "radix": [14.0, 50.0]})
+    assert even.startswith("两者的耗时都和提示词长度成正比")
+    skewed = ch07.lookup_scaling_note(lengths, {"hash": [60.0, 250.0], "radix": [10.0, 100.0]})
+    assert skewed.startswith("这一次，每个 token 摊到的查找时间在几种长度之间最多差了 2.5 倍")
+    assert skewed.endswith("和它能省下的预填充相比很小。")
+
+
+def test_kernel_floor_note_has_a_whole_sentence_for_each_case():
+    assert ch07.kernel_floor_note(True, None) == "实测没有快过这个下界。"
+    assert ch07.kernel_floor_note(False, "读的是缓存") == "实测比这个下界还快：读的是缓存。"
+    assert ch07.kernel_floor_note(False, None) == "实测比这个下界还快，这一次量到的数解释不了。"
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import numpy as np
 
 from minillm.engine.paging import KVCacheManager
 from minillm.lab import estimate as L
+from minillm.lab.claims import choose
 from minillm.lab.estimate import GB, fmt_int
 from minillm.lab.notebook import ms
 
@@ -31,6 +32,11 @@ QUESTIONS = (
     "Why does a long prompt slow down other users?",
 )
 ANSWER_CAP = 128
+# Where a turn's common prefix with the tokens computed before it ended (``chat_ledger``'s "break").
+BREAKS = {"first": "第一轮：缓存里什么都没有",
+          "end": "上一轮算过的 token 到此为止（它最后采样的那个 token 没有算 KV）",
+          "template": "模板重写了更早的历史",
+          "retokenized": "模型的回答经文本再切词，和它生成的 token 不一样了"}
 
 
 # --- The conversation and its ledger ------------------------------------------------------------
@@ -72,25 +78,25 @@ def reusable(prompt: list[int], earlier: list[list[int]], block_size: int) -> di
 
 def chat_ledger(turns: list[dict], block_size: int = PAGE) -> list[dict]:
     """For each turn: the prompt, the ledger's reusable tokens (at ``block_size`` and at one token
-    a block, SGLang's default page) and where the common prefix ended."""
+    a block, SGLang's default page) and where the common prefix ended (a key of ``BREAKS``)."""
     rows = []
     for k, turn in enumerate(turns):
         earlier = [computed_tokens(t) for t in turns[:k]]
         r = reusable(turn["prompt"], earlier, block_size)
         previous = turns[k - 1] if k else None
         if not k:
-            broke = "第一轮：缓存里什么都没有"
+            broke = "first"
         elif r["end_of_source"]:
-            broke = "上一轮算过的 token 到此为止（它最后采样的那个 token 没有算 KV）"
+            broke = "end"
         elif r["lcp"] < len(previous["prompt"]):
-            broke = "模板重写了更早的历史"
+            broke = "template"
         else:
-            broke = "模型的回答经文本再切词，和它生成的 token 不一样了"
+            broke = "retokenized"
         rows.append({"turn": k + 1, "prompt": len(turn["prompt"]), "answer": len(turn["answer"]),
                      "lcp": r["lcp"], "reusable": r["tokens"],
                      "reusable_1": reusable(turn["prompt"], earlier, 1)["tokens"],
                      "reusable_64": reusable(turn["prompt"], earlier, 64)["tokens"],
-                     "cached": turn["cached"], "broke": broke, "finish": turn["finish"],
+                     "cached": turn["cached"], "break": broke, "finish": turn["finish"],
                      "ttft": turn["ttft"]})
     return rows
 
@@ -109,7 +115,7 @@ def show_ledger(ledger: list[dict], cold: list[float]):
     show_table(["轮", "prompt", "回答", "和已算过的 token 的公共前缀", f"账本：可复用（块 {PAGE}）",
                 "引擎：命中（num_cached_tokens）", "TTFT：开缓存", "TTFT：关缓存", "公共前缀断在哪里"], [
         [r["turn"], r["prompt"], r["answer"], r["lcp"], r["reusable"], r["cached"], ms(r["ttft"]), ms(c),
-         r["broke"]] for r, c in zip(ledger, cold)])
+         BREAKS[r["break"]]] for r, c in zip(ledger, cold)])
 
 
 # --- Fragmentation and block size (pure bookkeeping) ---------------------------------------------
@@ -342,9 +348,71 @@ def comparison(r: dict):
     ])
 
 
+def chat_break_notes(ledger: list[dict]) -> dict[str, str]:
+    """The page's three sentences on where the chat's common prefixes broke short of the tokens
+    computed before: inside an earlier answer (its text re-tokenized) in some turn, or in none."""
+    n = sum(x["break"] == "retokenized" for x in ledger)
+    return {
+        "chat_broken_note": choose(
+            n > 0,
+            f"聊天模板从没改写更早的轮次，但有 {n} 轮的公共前缀断在上一轮回答的中间：模型生成的 token 解码成文本、"
+            "再经聊天模板切词，切出来的 token 和它当初生成的不完全一样，从那个 token 起，缓存里的块就对不上了。",
+            "聊天模板从没改写更早的轮次，每一轮的公共前缀也都一直延伸到上一轮算过的最后一个 token："
+            "模型的回答解码成文本、再经聊天模板切词，切出的正是它生成的 token；换一段回答就未必如此。"),
+        "chat_gap_note": choose(
+            n > 0, "账本和“理想的复用”之间的差距则是实打实的：整块的截断，和文本再切词造成的断点。",
+            "账本和“理想的复用”之间的差距则是实打实的：整块的截断；这段对话里，文本再切词没有造成断点。"),
+        "chat_page_one_note": choose(
+            n > 0, "一页一个 token 时只剩“最后一个 token 要现算”和再切词的断点这两处损失。",
+            "一页一个 token 时只剩“最后一个 token 要现算”这一处损失（这段对话里再切词没有造成断点）。"),
+    }
+
+
+def kernel_block_note(kernel_us: dict, page: int = PAGE) -> str:
+    """The page's conclusion on block size and decode attention: whether the smallest block timed
+    is clearly (a quarter or more) slower than ``page``."""
+    small = min(kernel_us)
+    return choose(
+        kernel_us[small] >= 1.25 * kernel_us[page],
+        f"块很小时它却明显变慢了（块 {small} 对块 {page}），原因不在字节数：一起变长的请求轮流领块，块越小，"
+        "一个请求的 token 在物理上越分散，连续的读被切成许多小段，块表本身也更长。"
+        "块大小因此要两头兼顾：利用率要求它小，读取的连续性要求它别太小。",
+        f"块很小时它也没有明显变慢（块 {small} 对块 {page}）：请求的 token 在物理上再分散，kernel 照样是逐个 token 去取。"
+        "块大小因此主要看利用率和记账：利用率要求它小，块表的长度和前缀缓存要管的条目数要求它别太小。")
+
+
+def lookup_note(hash_us: float, radix_us: float) -> str:
+    """The page's sentences on which index looked a cached prompt up faster, and why."""
+    ratio = max(hash_us, radix_us) / min(hash_us, radix_us)
+    return choose(
+        radix_us < hash_us,
+        f"基数树快 {ratio:.1f} 倍：哈希链每一块都要算一次（父键, token）的哈希、再核对一次；"
+        "基数树把一整段共同前缀压在一个节点里，进节点时查一次字典，之后每块只比较一次元组。",
+        f"这一次反倒是哈希链快 {ratio:.1f} 倍。哈希链每一块算一次（父键, token）的哈希、再核对一次；"
+        "基数树进节点时查一次字典，之后每块比较一次元组：两边每块都只做常数次操作，"
+        "谁快取决于这台机器上 Python 解释器做这几步的常数。")
+
+
+def lookup_scaling_note(lengths, lookup_us: dict) -> str:
+    """The page's sentence on how lookup time grows with the prompt: in proportion when each
+    index's time per token stays within 2x over ``lengths``."""
+    spread = max(max(v) / min(v) for v in ([us / n for us, n in zip(t, lengths)] for t in lookup_us.values()))
+    once = "每个请求只在第一次被调度时查一次，和它能省下的预填充相比很小。"
+    return choose(
+        spread < 2, "两者的耗时都和提示词长度成正比（每个 token 摊到的时间在几种长度之间相差不到一倍），而且" + once,
+        f"这一次，每个 token 摊到的查找时间在几种长度之间最多差了 {spread:.1f} 倍，量不出和长度成正比。不过" + once)
+
+
+def kernel_floor_note(within: bool, why: str | None) -> str:
+    """The page's sentence on the kernel's floor: held, beaten for the reason ``why`` gives, or
+    beaten with nothing this run measured to explain it."""
+    return choose(within, "实测没有快过这个下界。", choose(
+        bool(why), f"实测比这个下界还快：{why}。", "实测比这个下界还快，这一次量到的数解释不了。"))
+
+
 def glue_chapter(r: dict) -> None:
     """Glue every number and sentence the chapter quotes from this lab."""
-    from minillm.lab.claims import above_floor, choose, claim
+    from minillm.lab.claims import above_floor, claim
     from minillm.lab.notebook import g, last_level_cache_bytes, profile_words
     from minillm.lab.report import NOT_RECORDED
 
@@ -361,11 +429,13 @@ def glue_chapter(r: dict) -> None:
     claim(stops == len(turns), "every answer of the chat ends on the model's EOS", stops=stops)
     prompt_total = sum(x["prompt"] for x in led)
     hits = sum(x["cached"] for x in led)
-    broken = [x for x in led[1:] if not x["broke"].startswith("上一轮")]
+    chat_lengths = [x["prompt"] + x["answer"] for x in led]
     g("chat_turns", str(len(led)))
     g("chat_answers", f"{min(x['answer'] for x in led)}–{max(x['answer'] for x in led)}")
     g("chat_first_prompt", fmt_int(led[0]["prompt"]))
     g("chat_last_prompt", fmt_int(led[-1]["prompt"]))
+    g("chat_length_min", fmt_int(min(chat_lengths)))
+    g("chat_length_max", fmt_int(max(chat_lengths)))
     g("chat_prompt_total", fmt_int(prompt_total))
     g("chat_hits", fmt_int(hits))
     g("chat_hit_share", f"{hits / prompt_total:.0%}")
@@ -382,11 +452,10 @@ def glue_chapter(r: dict) -> None:
     g("chat_ttft_cold", ms(r["cold"][-1]))
     claim(r["cold"][-1] > last["ttft"], "the last turn starts faster with the prefix cache",
           warm=last["ttft"], cold=r["cold"][-1])
-    g("chat_broken_note", choose(
-        bool(broken),
-        f"有 {len(broken)} 轮的公共前缀断在上一轮回答的中间：模型生成的 token 解码成文本、再经聊天模板切词，"
-        "切出来的 token 和它当初生成的不完全一样，从那个 token 起，缓存里的块就对不上了。",
-        "每一轮的公共前缀都一直延伸到上一轮算过的最后一个 token：模型的回答经文本再切词，切出的正是它生成的 token。"))
+    rewritten = [x["turn"] for x in led if x["break"] == "template"]
+    claim(not rewritten, "the chat template renders the earlier turns unchanged", rewritten_turns=rewritten)
+    for key, sentence in chat_break_notes(led).items():
+        g(key, sentence)
 
     # fragmentation and block size
     f = r["frag"]
@@ -395,6 +464,8 @@ def glue_chapter(r: dict) -> None:
           measured=f["util_paged"], estimate=f["util_paged_est"])
     for key in ("util_contiguous", "util_contiguous_est", "chat_contiguous"):
         g(key, f"{f[key]:.1%}")
+    claim(f["chat_contiguous"] < 0.1, "reserved at the maximum length, the chat's requests leave it almost empty",
+          utilization=f["chat_contiguous"])
     for key in ("util_paged", "util_paged_est", "chat_paged"):
         g(key, f"{f[key]:.2%}")
     g("mix_count", fmt_int(f["n"]))
@@ -414,10 +485,7 @@ def glue_chapter(r: dict) -> None:
     claim(util[2048] < estimated_utilization(2048, f["mean"]),
           "at blocks as long as the requests the measured utilization falls below the estimate")
     kus = r["kernel_us"]
-    spread = max(kus.values()) / min(kus.values())
-    g("kernel_bs_note", choose(
-        spread < 1.25, f"实测几个块大小之间最多差 {spread - 1:.0%}，和这一点一致。",
-        f"实测最快和最慢差了 {spread:.1f} 倍，最慢的是块 {max(kus, key=kus.get)}。"))
+    g("kernel_bs_note", kernel_block_note(kus))
     g("kernel_bs1_vs_16", f"{kus[1] / kus[PAGE]:.2f}")
     g("kernel_bs256_vs_16", f"{kus[256] / kus[PAGE]:.2f}")
     g("kernel_sweep_batch", r["kernel_sweep_words"])
@@ -432,12 +500,13 @@ def glue_chapter(r: dict) -> None:
     g("lookup_len", fmt_int(r["lookup_lengths"][-1]))
     g("lookup_hash_us", f"{lookup['hash'][-1]:,.0f} µs")
     g("lookup_radix_us", f"{lookup['radix'][-1]:,.0f} µs")
-    faster = min(("hash", "radix"), key=lambda n: lookup[n][-1])
-    slower = "radix" if faster == "hash" else "hash"
-    g("lookup_note", choose(
-        faster == "radix",
-        f"基数树快 {lookup[slower][-1] / lookup[faster][-1]:.1f} 倍",
-        f"这一次反倒是哈希链快 {lookup[slower][-1] / lookup[faster][-1]:.1f} 倍"))
+    g("lookup_note", lookup_note(lookup["hash"][-1], lookup["radix"][-1]))
+    g("lookup_scaling_note", lookup_scaling_note(r["lookup_lengths"], lookup))
+    lookup_per_token = max(us / n for name in lookup for us, n in zip(lookup[name], r["lookup_lengths"])) / 1e6
+    prefill_per_token = r["cold"][-1] / last["prompt"]
+    claim(lookup_per_token < 0.01 * prefill_per_token,
+          "a lookup costs little next to the prefill it saves (under 1% per token)",
+          lookup_per_token=lookup_per_token, prefill_per_token=prefill_per_token)
 
     # the kernel
     k = r["kernel"][-1]
@@ -457,8 +526,9 @@ def glue_chapter(r: dict) -> None:
     g("kernel_floor", f"{k['floor'].seconds * 1e6:,.0f} µs")
     g("kernel_floor_share", f"{k['floor'].share_of(k['paged_s']):.0%}")
     g("kernel_backend", r["backend"])
-    g("kernel_floor_note", choose(
-        within, "实测没有快过这个下界。",
-        f"实测比这个下界还快：{why}。"))
+    g("kernel_floor_note", kernel_floor_note(within, why))
+    claim(r["backend"] != "torch" or all(p["paged_s"] > p["contiguous_s"] for p in r["kernel"]),
+          "on the CPU the torch path, which gathers a padded copy first, is slower than SDPA on contiguous tensors",
+          ratios=[p["paged_s"] / p["contiguous_s"] for p in r["kernel"]])
     g("probe_bw", profile_words(lab.profile)["bw"])
     g("gpu_kernel_record", kernel_record("fraction") or NOT_RECORDED)
