@@ -8,7 +8,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from minillm import LLM, LLMEngine, load_model  # noqa: E402
+from minillm import LLM, load_model  # noqa: E402
 from minillm.engine.config import load_config  # noqa: E402
 from minillm.lab import estimate as L  # noqa: E402
 from minillm.lab.chapters import ch08_scheduling as ch08  # noqa: E402
@@ -96,16 +96,43 @@ def test_run_summary_of_a_static_run(tiny):
     assert run["prefill_tokens"] == 80
 
 
-def test_contract_result_sees_the_stall(tiny):
-    engine = LLMEngine(tiny, num_kv_blocks=64, max_num_batched_tokens=34, enable_prefix_caching=False)
-    for i in range(2):
-        engine.add_request(f"q{i}", [5 + i] * 8, greedy(20))
-    finished = {}
-    while engine.has_unfinished():
-        if len(engine.recorder.steps) == 3:
-            engine.add_request("contract", list(range(1, 129)), greedy(2))
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
-    result = ch08.contract_result(engine.stats()["steps"], finished)
-    assert sum(result["chunks"]) == 128 and all(n <= 32 for n in result["chunks"])
-    assert len(result["chunks"]) == 4
-    assert result["worst_gap"] >= result["decode_step"] > 0 and result["contract_ttft"] > 0
+def test_serve_contract_sees_the_stall(tiny):
+    prompts, lens, contract = [[5] * 8, [6] * 8], [20, 20], list(range(1, 129))
+    chunked = ch08.serve_contract(tiny, prompts, lens, contract, budget=34, join_after=3)
+    assert sum(chunked["chunks"]) == 128 and all(n <= 32 for n in chunked["chunks"])
+    assert len(chunked["chunks"]) == 4
+    assert chunked["worst_gap"] >= chunked["decode_step"] > 0 and chunked["contract_ttft"] > 0
+    whole = ch08.serve_contract(tiny, prompts, lens, contract, budget=None, join_after=3)
+    assert whole["chunks"] == [128]
+    assert all(whole["outputs"][rid].token_ids == chunked["outputs"][rid].token_ids for rid in whole["outputs"])
+    assert len(whole["outputs"]["contract"].token_ids) == ch08.CONTRACT_ANSWER
+
+
+def test_tpot_words_stand_alone():
+    longer = ch08.tpot_words(0.010, 0.012)
+    assert longer.startswith("连续批处理的出字间隔（TPOT p50）比静态批处理长（12.0 ms 对 10.0 ms）")
+    same = ch08.tpot_words(0.012, 0.012)
+    assert same.startswith("连续批处理的出字间隔（TPOT p50）这一次没有变长") and "却" not in same
+
+
+def test_goodput_words_name_the_bound():
+    below = ch08.goodput_words({"goodput": 0.8, "rate": 1.0}, 1.01)
+    assert below.endswith("没有超过离线吞吐（1.01 请求/s）这个上限。")
+    above = ch08.goodput_words({"goodput": 1.2, "rate": 2.0}, 1.01)
+    assert "比离线吞吐（1.01 请求/s）这个“上限”还高" in above
+
+
+def test_press_words_choose_each_part_on_its_own():
+    memory = L.roofline_floor(1e9, 1e9, 1e11, 1e9)  # 10 ms of compute, 1 s of bytes
+    compute = L.roofline_floor(1e11, 1e6, 1e11, 1e9)
+    mib = 512 * 2**20
+    # the batch part outweighs the recompute, the copy outweighs the swap run's rest
+    words = ch08.press_words({"重算": 0.4, "换出": 0.3}, 0.1, 0.2, 4, memory, mib)
+    assert "重算本身只占 100.0 ms，其余 300.0 ms 来自池子小了" in words
+    assert "至少一半是拷贝本身（200.0 ms），批变小只占 100.0 ms" in words
+    assert "最多同时跑 4 个请求，解码一步的下界受带宽限制：每一步都要把 512 MiB" in words
+    # the other way round, and a compute-bound decode step
+    words = ch08.press_words({"重算": 0.3, "换出": 0.3}, 0.2, 0.1, 4, compute, mib)
+    assert "至少一半是重算本身（200.0 ms），池子小了、同时跑的请求少了、步数多了只占 100.0 ms" in words
+    assert "拷贝只占 100.0 ms，其余 200.0 ms 也来自批变小" in words
+    assert "解码一步的下界仍受算力限制（每步的权重只有 512 MiB）" in words and "受带宽限制：" not in words

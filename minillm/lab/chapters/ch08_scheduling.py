@@ -270,6 +270,18 @@ def show_batching(runs: dict, estimate: dict):
     ])
 
 
+def tpot_words(static_p50: float, continuous_p50: float) -> str:
+    """The page's sentence on the median TPOT of continuous against static batching."""
+    from minillm.lab.claims import choose
+
+    return choose(
+        continuous_p50 > static_p50,
+        f"连续批处理的出字间隔（TPOT p50）比静态批处理长（{ms(continuous_p50)} 对 {ms(static_p50)}）："
+        "新请求的预填充插进了别人正在解码的步里，那一步要多算一段 prompt，批里每个人的下一个字都陪着等。",
+        f"连续批处理的出字间隔（TPOT p50）这一次没有变长（{ms(continuous_p50)} 对 {ms(static_p50)}）；"
+        "可新请求的预填充插进别人正在解码的步里时，那一步会变慢，下一节专门量这件事。")
+
+
 def plot_timelines(runs: dict, num_requests: int):
     """One row per request, one mark per step it is scheduled in: prompt steps dark, decodes light."""
     import matplotlib.pyplot as plt
@@ -312,6 +324,44 @@ def contract_result(steps: list[dict], outputs: dict, contract_id: str = "contra
             "slowest_step": max(s["end"] - s["start"] for s in steps),
             "decode_step": statistics.median(s["end"] - s["start"] for s in steps if s["num_prefill_tokens"] == 0),
             "chunks": [n for s in steps for rid, n in s["scheduled"] if rid == contract_id and n > 1]}
+
+
+def lab_contract(lab, answerer) -> tuple[list[int], int, bool]:
+    """The lab's contract, its chunked step budget, and whether it is the real text: 8,192 random
+    tokens and 2,048 on a GPU with 4 GiB free, else the real contract through ``answerer``'s chat
+    template (:func:`contract_prompt`) and 128."""
+    from minillm.lab.notebook import enough_gpu_memory
+    from minillm.lab.workload import random_prompts
+
+    if lab.on_gpu and enough_gpu_memory(lab.device, 4 * 2**30):
+        return random_prompts([CONTRACT], lab.config.vocab_size, seed=11)[0], 2048, False
+    return contract_prompt(answerer), 128, True
+
+
+CONTRACT_ANSWER = 8  # tokens the lab's contract generates: its prefill is what is measured
+
+
+def serve_contract(model, prompts, output_lens, contract: list[int], budget: int | None,
+                   join_after: int = 4, block_size: int = 16) -> dict:
+    """``prompts`` decode (greedy, ``output_lens`` tokens each) and the contract arrives after
+    ``join_after`` steps; chunked with a step budget of ``budget`` tokens, or (None) unchunked with
+    a budget that holds the whole contract. The run's :func:`contract_result`."""
+    from minillm import LLMEngine
+    from minillm.lab.notebook import greedy
+
+    engine = LLMEngine(model, block_size=block_size,
+                       num_kv_blocks=pool_blocks([len(contract)] + [len(p) for p in prompts],
+                                                 [CONTRACT_ANSWER] + list(output_lens), block_size),
+                       enable_chunked_prefill=budget is not None, enable_prefix_caching=False,
+                       max_num_batched_tokens=budget or len(contract) + len(prompts))
+    for i, (prompt, n) in enumerate(zip(prompts, output_lens)):
+        engine.add_request(f"q{i}", prompt, greedy(n))
+    finished = {}
+    while engine.has_unfinished():
+        if len(engine.recorder.steps) == join_after:
+            engine.add_request("contract", contract, greedy(CONTRACT_ANSWER))
+        finished.update({out.request_id: out for out in engine.step() if out.finished})
+    return contract_result(engine.stats()["steps"], finished)
 
 
 def show_contract(runs: dict, est: ContractSteps):
@@ -423,12 +473,57 @@ def show_preemption(runs: dict, est: dict):
         for label, r in runs.items()])
 
 
+def press_words(extra: dict, recompute: float, swap: float, small_batch: int, small_decode: Floor,
+                weight_bytes: float) -> str:
+    """The page's sentences on what the small pool costs by the floors: the recompute run's extra
+    floor (``extra``, each small-pool run's over the full pool's) split into the recompute itself
+    and the rest, the swap run's into the copies and the rest, and why the rest is what it is: the
+    ledger floor of a decode step of ``small_batch`` requests (the most the small pool held at
+    once) on this machine's profile, ``small_decode``."""
+    from minillm.lab.claims import choose
+
+    batch_part, swap_rest = extra["重算"] - recompute, extra["换出"] - swap
+    recompute_words = choose(
+        batch_part > recompute,
+        f"按下界算，重算多花的 {ms(extra['重算'])} 里，重算本身只占 {ms(recompute)}，其余 {ms(batch_part)} "
+        "来自池子小了、同时跑的请求少了、步数多了。",
+        f"按下界算，重算多花的 {ms(extra['重算'])} 里，至少一半是重算本身（{ms(recompute)}），"
+        f"池子小了、同时跑的请求少了、步数多了只占 {ms(batch_part)}。")
+    swap_words = choose(
+        swap_rest > swap,
+        f"换出多花的 {ms(extra['换出'])} 里，拷贝只占 {ms(swap)}，其余 {ms(swap_rest)} 也来自批变小。",
+        f"换出多花的 {ms(extra['换出'])} 里，至少一半是拷贝本身（{ms(swap)}），批变小只占 {ms(swap_rest)}。")
+    bound_words = choose(
+        small_decode.bound == "memory",
+        f"按这台机器的机器画像，小池子里最多同时跑 {small_batch} 个请求，解码一步的下界受带宽限制："
+        f"每一步都要把 {fmt_int(weight_bytes / 2**20)} MiB 的权重整读一遍，步数多一步，下界就多一份；"
+        "GPU 上解码一步也受带宽限制，这一份“批变小”的代价同样躲不掉。",
+        f"按这台机器的机器画像，小池子里最多同时跑 {small_batch} 个请求，解码一步的下界仍受算力限制"
+        f"（每步的权重只有 {fmt_int(weight_bytes / 2**20)} MiB）：请求少了，一步的运算跟着少，"
+        "多出来的步几乎不抬高下界之和。GPU 上解码一步受带宽限制，步数多一步就多读一遍权重，"
+        "这一份“批变小”的代价会显眼得多。")
+    return recompute_words + swap_words + bound_words
+
+
 # --- Goodput -----------------------------------------------------------------------------------
 
 def online_point(rate: float, summary: dict, steps: list[dict]) -> dict:
     return {"rate": rate, "throughput": summary["request_throughput"], "goodput": summary["goodput"],
             "attainment": summary["slo_attainment"], "ttft_p90": summary["ttft"]["p90"],
             "step": statistics.median(s["end"] - s["start"] for s in steps)}
+
+
+def goodput_words(best: dict, capacity: float) -> str:
+    """The page's sentence on the highest measured goodput (``best``, an :func:`online_point`)
+    against the offline throughput ``capacity`` (requests/s) taken as its upper bound."""
+    from minillm.lab.claims import choose
+
+    return choose(
+        best["goodput"] <= capacity,
+        f"实测的 goodput 最高 {best['goodput']:,.2f} 请求/s（请求率 {best['rate']:,.2f} 请求/s 时），"
+        f"没有超过离线吞吐（{capacity:,.2f} 请求/s）这个上限。",
+        f"实测的 goodput 最高 {best['goodput']:,.2f} 请求/s，比离线吞吐（{capacity:,.2f} 请求/s）这个“上限”还高："
+        "离线那一次也只是一次计时，在这台共享的机器上会被别的进程拖慢，量低了。")
 
 
 def plot_goodput(online: list[dict], capacity: float, slo):
@@ -573,11 +668,7 @@ def glue_chapter(r: dict) -> None:
         c["summary"]["ttft"]["p90"] < s["summary"]["ttft"]["p90"],
         "连续批处理把尾部的首字延迟压了下来：后面的请求不必等前一批里最长的那个写完。",
         "这一次连续批处理的 TTFT p90 并不比静态的短。"))
-    g("tpot_note", choose(
-        c["summary"]["tpot"]["p50"] > s["summary"]["tpot"]["p50"],
-        "它的出字间隔却比静态批处理长：新请求的预填充插进了别人正在解码的步里，那一步要多算一段 prompt，"
-        "批里每个人的下一个字都陪着等。",
-        "它的出字间隔这一次也没有变长；可新请求的预填充插进别人正在解码的步里时，那一步会变慢，下一节专门量这件事。"))
+    g("tpot_note", tpot_words(s["summary"]["tpot"]["p50"], c["summary"]["tpot"]["p50"]))
 
     # the contract
     k = r["contract"]
@@ -636,8 +727,10 @@ def glue_chapter(r: dict) -> None:
     g("press_tight", fmt_int(runs["重算"]["num_kv_blocks"]))
     claim(all(run["seconds"] >= pest["floors"][label] for label, run in runs.items()),
           "no run beats the sum of its steps' floors", floors=pest["floors"])
-    g("press_base_steps", fmt_int(len(runs["充足"]["steps"])))
-    g("press_tight_steps", fmt_int(len(runs["重算"]["steps"])))
+    claim(runs["充足"]["preemptions"] == 0, "the full pool never preempts", preemptions=runs["充足"]["preemptions"])
+    for key, label in (("base", "充足"), ("recompute", "重算"), ("swap", "换出")):
+        g(f"press_{key}_steps", fmt_int(len(runs[label]["steps"])))
+    g("base_preemptions", fmt_int(runs["充足"]["preemptions"]))
     g("recompute_preemptions", fmt_int(runs["重算"]["preemptions"]))
     g("swap_preemptions", fmt_int(runs["换出"]["preemptions"]))
     g("recomputed_tokens", fmt_int(pest["recomputed"]))
@@ -650,15 +743,11 @@ def glue_chapter(r: dict) -> None:
     for key, label in (("recompute", "重算"), ("swap", "换出")):
         g(f"{key}_extra_est", ms(pest["extra"][label]))
         g(f"{key}_extra", ms(runs[label]["seconds"] - runs["充足"]["seconds"]))
-    batch_part = pest["extra"]["重算"] - pest["recompute"]
-    g("press_batch_part", ms(batch_part))
-    g("press_note", choose(
-        batch_part > pest["recompute"] and pest["extra"]["换出"] - pest["swap"] > pest["swap"],
-        f"按下界算，重算多花的 {ms(pest['extra']['重算'])} 里，重算本身只占 {ms(pest['recompute'])}，"
-        f"其余 {ms(batch_part)} 来自池子小了、同时跑的请求少了、步数多了：换出也要付这一份。",
-        f"按下界算，这台机器上批变小几乎不要钱（{ms(batch_part)}）：每步的权重只有 "
-        f"{fmt_int(L.weight_bytes(r['lab'].config, r['lab'].dtype_name) / 2**20)} MiB，解码一步受的是算力的限，"
-        f"请求少一半，一步的运算也少一半；多花的主要是重算本身（{ms(pest['recompute'])}）或换出的拷贝（{ms(pest['swap'])}）。"))
+    small_batch = max(step["batch_size"] for step in runs["重算"]["steps"])
+    small_decode = L.decode_step(lab.config, small_batch, pest["ctx"], lab.profile.copy_bandwidth,
+                                 lab.dtype_name).floor(lab.profile.matmul_flops)
+    g("press_note", press_words(pest["extra"], pest["recompute"], pest["swap"], small_batch, small_decode,
+                                L.weight_bytes(lab.config, lab.dtype_name)))
 
     medians = {label: run["step_median"] for label, run in runs.items()}
     spread = max(medians.values()) / min(medians.values())
@@ -681,11 +770,7 @@ def glue_chapter(r: dict) -> None:
     g("slo_tpot_steps", str(r["slo_steps"][1]))
     g("best_goodput", f"{best['goodput']:,.2f} 请求/s")
     g("goodput_rates", "、".join(f"{q['rate']:,.2f}" for q in r["online"]))
-    g("goodput_note", choose(
-        best["goodput"] <= r["capacity"],
-        f"实测的 goodput 最高 {best['goodput']:,.2f} 请求/s（请求率 {best['rate']:,.2f} 请求/s 时），没有超过这个上限。",
-        f"实测的 goodput 最高 {best['goodput']:,.2f} 请求/s，比离线吞吐这个“上限”还高：离线那一次也只是一次计时，"
-        "在这台共享的机器上会被别的进程拖慢，量低了。"))
+    g("goodput_note", goodput_words(best, r["capacity"]))
     g("goodput_top_note", choose(
         top["goodput"] < best["goodput"],
         f"请求率加到 {top['rate']:,.2f} 请求/s 时，只有 {top['attainment']:.0%} 的请求满足 SLO，"
