@@ -23,8 +23,8 @@ def test_the_floors_sentence_says_which_were_beaten_and_why():
     assert beaten_words([], "都守住了。", "探测不是上限。") == "都守住了。"
     assert beaten_words(["甲快了", "乙快了"], "都守住了。", "探测不是上限。") == \
         "有 2 个计时比它的下界还快：甲快了；乙快了。探测不是上限。"
-    assert beaten_words(["甲快了", None], "都守住了。") == \
-        "有 2 个计时比它的下界还快：甲快了。另有 1 个，这一次量到的数解释不了。"
+    assert beaten_words(["甲快了", None], "都守住了。", "探测不是上限。") == \
+        "有 2 个计时比它的下界还快。其中 1 个：甲快了。探测不是上限。其余 1 个，这一次量到的数解释不了。"
     assert beaten_words([None], "都守住了。") == "有 1 个计时比它的下界还快，这一次量到的数解释不了。"
 
 

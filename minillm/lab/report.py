@@ -83,8 +83,10 @@ def beaten_words(whys: list[str | None], held: str, after: str = "") -> str:
         return held
     if not told:
         return f"有 {unexplained} 个计时比它的下界还快，这一次量到的数解释不了。"
-    words = f"有 {len(whys)} 个计时比它的下界还快：" + "；".join(told) + "。" + after
-    return words + (f"另有 {unexplained} 个，这一次量到的数解释不了。" if unexplained else "")
+    if not unexplained:
+        return f"有 {len(whys)} 个计时比它的下界还快：" + "；".join(told) + "。" + after
+    return (f"有 {len(whys)} 个计时比它的下界还快。其中 {len(told)} 个：" + "；".join(told) + "。" + after +
+            f"其余 {unexplained} 个，这一次量到的数解释不了。")
 
 
 def show_answer(text: str):
