@@ -105,3 +105,35 @@ def test_host_share_is_the_engine_time_over_the_serial_step():
     floor = kit.card_step(load_config("llama-3.1-8b"), 256, 1000, lookup_gpu(kit.CARD))
     assert floor.bound == "memory" and words["host_engine"] == "3.00 ms" and words["host_ops"] == "1,234"
     assert words["host_share"] == f"{0.003 / (0.003 + floor.seconds):.0%}"
+
+
+def test_sides_name_each_side_the_sweep_reaches():
+    both = kit.sides_words("2.6", "float32", "128", [1, 2, 4, 8], [1, 2], [4, 8])
+    assert both.endswith("上下文 128 时 B = 1、2 的一步落在带宽一侧，B = 4、8 已经落到算力一侧。")
+    assert kit.sides_words("0.5", "float32", "128", [1, 2], [], [1, 2]).endswith("每个 B（1、2）都落在算力一侧，连 B = 1 也不例外。")
+    assert kit.sides_words("300", "bfloat16", "1,024", [1, 8], [1, 8], []) == "上下文 1,024 时扫到的每个 B（1、8）都落在带宽一侧。"
+
+
+def test_growth_past_the_ridge_in_three_bands():
+    assert kit.growth_verdict(6.0, 3.0).startswith("实测涨得比下界慢")
+    assert kit.growth_verdict(6.0, 5.5).startswith("实测涨得和下界差不多") and kit.growth_verdict(6.0, 6.5).startswith("实测涨得和下界差不多")
+    assert kit.growth_verdict(6.0, 7.0) == "实测涨得比下界快：批大了，实测离下界反而更远。"
+
+
+def test_read_words_pick_the_side_of_the_copy_probe():
+    args = (4, "513 MiB", "51.26 ms")
+    assert kit.read_words(*args, 1e10, 4e10, False, "1 个 CPU 线程").endswith("是拷贝探测的 25%：几行的矩阵乘边读边算，1 个 CPU 线程喂不满内存总线。")
+    assert kit.read_words(*args, 1e10, 4e10, True, "GPU").endswith("矩阵-向量乘的 kernel 跑不满显存带宽。")
+    fast = kit.read_words(*args, 5e10, 4e10, True, "GPU")
+    assert fast == "B = 4 时线性层单独跑，读 513 MiB 的权重用了 51.26 ms，读速度 50.0 GB/s，不比拷贝探测慢（125%）：只读不写，探测的拷贝带宽不是它的上限。"
+
+
+def test_gap_words_state_both_linear_sides():
+    assert kit.gap_words(1e10, 4e10, 6e10, 1e11, True) == "这台机器上，带宽一侧的线性层读权重比拷贝慢。算力一侧的窄矩阵只跑到方阵探测的 60%。"
+    assert kit.gap_words(5e10, 4e10, 2e11, 1e11, True) == "这台机器上，带宽一侧的线性层读权重不比拷贝慢。算力一侧的窄矩阵也跑到了方阵探测的速率。"
+    assert kit.gap_words(1e10, 4e10, 6e10, 1e11, False).endswith("扫到的批都没有越过脊点，窄矩阵的速率不在差距里。")
+
+
+def test_topk_words_time_both_samplers():
+    assert kit.topk_words(0.116, 0.005) == "先取 top-k 只要 5.00 ms，快了 23.2 倍。"
+    assert kit.topk_words(0.010, 0.015) == "先取 top-k 要 15.00 ms，反而比整表排序慢，是它的 1.5 倍。"

@@ -125,3 +125,22 @@ def test_a_beaten_floor_nothing_explains_fails_the_claim(monkeypatch):
         floors_beaten(kit.floor_checks(s, g))
     monkeypatch.setenv(STRICT, "0")
     assert floors_beaten(kit.floor_checks(s, g)) == [None, None]
+
+
+def test_ratio_words_name_the_weight_read_only_when_it_was_slow():
+    assert kit.ratio_words(20.0, 40.0, True).endswith("固定开销和读权重的低效把它垫高了。")
+    assert kit.ratio_words(20.0, 40.0, False).endswith("每步的固定开销把它垫高了。")
+    assert kit.ratio_words(50.0, 40.0, True).startswith("实测之比不小于下界之比：重算的一步离下界更远")
+
+
+def test_mha_words_name_the_weight_read_only_when_it_was_slow():
+    assert kit.mha_words(1.1, 1.5, True, False) == "实测之比小于下界之比：两者共有的固定开销和读权重的低效把倍数往 1 拉。"
+    assert kit.mha_words(1.1, 1.5, False, True) == "实测之比小于下界之比：两者共有的每步固定开销把倍数往 1 拉。"
+    assert kit.mha_words(2.0, 1.5, True, False).startswith("实测之比不小于下界之比：CPU 的参考实现")
+    assert kit.mha_words(2.0, 1.5, False, True).endswith("注意力 kernel 读 KV 的效率在一步里越要紧。")
+
+
+def test_gqa_mha_linear_rates():
+    s, g = synthetic(1.0, 1.0, 1.0)
+    assert g.linear_rates("MHA", 2)[1] == pytest.approx(2 * W)
+    assert g.linear_rates("GQA", 2)[0] == pytest.approx(2 * L.matmul_flops_per_token(g.cfg) / g.linear["GQA"][2])

@@ -453,6 +453,56 @@ def show_comparison(s: DecodeSweep, ctx: int) -> None:
     ])
 
 
+def sides_words(ridge: str, dtype: str, ctx: str, batches, bw, cp) -> str:
+    """Which side of this machine's ridge the swept batches ``bw`` (bandwidth) and ``cp``
+    (compute) fall on at context ``ctx``."""
+    join = lambda bs: "、".join(map(str, bs))
+    head = f"这台机器的脊点只有 {ridge} FLOP/字节，{dtype} 的权重每个参数 {L.dtype_bytes(dtype)} 字节，"
+    return choose(bool(cp), choose(
+        bool(bw),
+        f"{head}上下文 {ctx} 时 B = {join(bw)} 的一步落在带宽一侧，B = {join(cp)} 已经落到算力一侧。",
+        f"{head}上下文 {ctx} 时扫到的每个 B（{join(batches)}）都落在算力一侧，连 B = 1 也不例外。"),
+        f"上下文 {ctx} 时扫到的每个 B（{join(batches)}）都落在带宽一侧。")
+
+
+def growth_verdict(h_floor: float, h_meas: float) -> str:
+    """How the measured step grew past the ridge (``h_meas`` times) against its floor (``h_floor``
+    times): slower than 0.9 of it, within a tenth, or faster than 1.1 of it."""
+    r = h_meas / h_floor
+    return choose(r < 0.9, "实测涨得比下界慢：批大了，实测离下界更近，矩阵乘的效率上来了。", choose(
+        r <= 1.1, "实测涨得和下界差不多（相差不到一成）：批大了，实测离下界的比例几乎不变。",
+        "实测涨得比下界快：批大了，实测离下界反而更远。"))
+
+
+def read_words(batch: int, weights: str, seconds: str, read: float, bandwidth: float, on_gpu: bool, threads: str) -> str:
+    """The linear layers alone at ``batch`` rows reading their ``weights`` in ``seconds`` at
+    ``read`` bytes/s, against the probed copy ``bandwidth``."""
+    head = f"B = {batch} 时线性层单独跑，读 {weights} 的权重用了 {seconds}，读速度 {read / GB:,.1f} GB/s，"
+    frac = f"{read / bandwidth:.0%}"
+    return choose(read < bandwidth, choose(
+        on_gpu,
+        f"{head}是拷贝探测的 {frac}：几行的矩阵乘边读边算，矩阵-向量乘的 kernel 跑不满显存带宽。",
+        f"{head}是拷贝探测的 {frac}：几行的矩阵乘边读边算，{threads}喂不满内存总线。"),
+        f"{head}不比拷贝探测慢（{frac}）：只读不写，探测的拷贝带宽不是它的上限。")
+
+
+def gap_words(read: float, bandwidth: float, rate: float, peak_flops: float, has_compute_side: bool) -> str:
+    """The summary's two sentences on the linear layers: their weight ``read`` against the copy
+    ``bandwidth``, and their FLOP ``rate`` on the compute side against the probed ``peak_flops``."""
+    return choose(read < bandwidth, "这台机器上，带宽一侧的线性层读权重比拷贝慢。",
+                  "这台机器上，带宽一侧的线性层读权重不比拷贝慢。") + choose(
+        has_compute_side, choose(
+            rate < peak_flops, f"算力一侧的窄矩阵只跑到方阵探测的 {rate / peak_flops:.0%}。",
+            "算力一侧的窄矩阵也跑到了方阵探测的速率。"),
+        "扫到的批都没有越过脊点，窄矩阵的速率不在差距里。")
+
+
+def topk_words(sort: float, topk: float) -> str:
+    """The top-k-first sampler's ``topk`` seconds against the whole-vocabulary sort's ``sort``."""
+    return choose(topk < sort, f"先取 top-k 只要 {ms(topk)}，快了 {sort / topk:.1f} 倍。",
+                  f"先取 top-k 要 {ms(topk)}，反而比整表排序慢，是它的 {topk / sort:.1f} 倍。")
+
+
 def glue_chapter(lab, s: DecodeSweep, ctx: int, samplers: dict, sampler_rows: int, host: dict) -> dict[str, str]:
     """What the chapter page quotes from this lab, glued (and returned); ``samplers`` timed on
     ``sampler_rows`` rows, the sweep's largest batch; ``host`` from :func:`time_host`."""
@@ -476,12 +526,7 @@ def glue_chapter(lab, s: DecodeSweep, ctx: int, samplers: dict, sampler_rows: in
         v.update({f"step_{key}": ms(t), f"floor_{key}": floor_words(f), f"share_{key}": f"{f.share_of(t):.0%}",
                   f"mbu_{key}": f"{s.mbu(b, ctx):.0%}", f"mfu_{key}": f"{s.mfu(b, ctx):.0%}",
                   f"agg_{key}": f"{b / t:,.1f}", f"per_{key}": f"{1 / t:,.1f}"})
-    v["sides"] = choose(
-        bool(cp),
-        f"这台机器的脊点只有 {words['ridge']} FLOP/字节，{dtype} 的权重每个参数 {L.dtype_bytes(dtype)} 字节，"
-        f"上下文 {v['ctx']} 时 B = {'、'.join(map(str, bw))} 的一步落在带宽一侧，B = {'、'.join(map(str, cp))} "
-        "已经落到算力一侧。",
-        f"上下文 {v['ctx']} 时扫到的每个 B（{v['batches']}）都落在带宽一侧。")
+    v["sides"] = sides_words(words["ridge"], dtype, v["ctx"], batches, bw, cp)
     # Growth from B = 1 along the bandwidth side, then into the compute side
     g_floor, g_meas = s.floor(mid, ctx).seconds / s.floor(lo, ctx).seconds, s.step[mid, ctx] / s.step[lo, ctx]
     if mid > lo:
@@ -490,35 +535,25 @@ def glue_chapter(lab, s: DecodeSweep, ctx: int, samplers: dict, sampler_rows: in
             g_meas < mid / 2, "多出来的请求搭上了同一遍权重的读取。",
             "实测涨得比下界多：一行的矩阵-向量乘和几行的矩阵乘走的是矩阵乘库里不同的实现。")
     else:
-        v["growth_bw"] = "扫到的 B 里只有 B = 1 落在带宽一侧。"
+        v["growth_bw"] = choose(bool(bw), "扫到的 B 里只有 B = 1 落在带宽一侧。", "扫到的 B 里没有一个落在带宽一侧。")
     if cp:
         h_floor, h_meas = s.floor(hi, ctx).seconds / s.floor(mid, ctx).seconds, s.step[hi, ctx] / s.step[mid, ctx]
         v["growth_cp"] = (f"过了脊点，下界由 F/P 决定，随 B 成正比：B 从 {mid} 到 {hi}，下界变成 {h_floor:.2f} 倍，"
-                          f"实测变成 {h_meas:.2f} 倍，总吞吐从 {v['agg_mid']} 到 {v['agg_hi']} tok/s。") + choose(
-            h_meas < h_floor,
-            "实测涨得比下界慢：小批时实测离下界更远，批大了，矩阵乘的效率才上来。",
-            "实测涨得和下界一样快：这台机器上，批再大也换不来多少吞吐。")
+                          f"实测变成 {h_meas:.2f} 倍，总吞吐从 {v['agg_mid']} 到 {v['agg_hi']} tok/s。") + growth_verdict(h_floor, h_meas)
     else:
         v["growth_cp"] = "扫到的批都没有越过脊点：批越大，总吞吐越高。"
     v["floors"] = beaten_words(beaten, "扫到的每一步都不低于它的下界。", "探测的方阵乘法和拷贝不是这些线性层的上限。")
     # Item by item: the linear layers alone, on each side
     lin_side = mid
     read, rate = s.linear_read(lin_side), s.linear_rate(hi)
-    v.update({"lin_b": str(lin_side), "lin_t": ms(s.linear[lin_side]), "lin_read": f"{read / GB:,.1f} GB/s",
-              "lin_read_frac": f"{read / s.bandwidth:.0%}",
-              "lin_bytes": f"{L.matmul_param_count(cfg) * L.dtype_bytes(dtype) / MiB:,.0f} MiB"})
     rest = s.step[lin_side, ctx] - s.linear[lin_side]
     v["rest_words"] = choose(
         rest > 0,
         f"B = {lin_side} 时整步比线性层单独跑多出 {ms(rest)}，占 {rest / s.step[lin_side, ctx]:.0%}：注意力读 KV、归一化、"
         "RoPE、写 KV，以及几百个算子在 Python 里逐个发出的固定开销。",
         f"B = {lin_side} 时整步并不比线性层单独跑慢：这一次的计时噪声盖过了其余各项。")
-    v["read_words"] = choose(
-        read <= s.bandwidth,
-        f"B = {lin_side} 时线性层单独跑，读 {v['lin_bytes']} 的权重用了 {v['lin_t']}，读速度 {v['lin_read']}，"
-        f"是拷贝探测的 {v['lin_read_frac']}：几行的矩阵乘边读边算，一个线程喂不满内存总线。",
-        f"B = {lin_side} 时线性层单独跑，读 {v['lin_bytes']} 的权重用了 {v['lin_t']}，读速度 {v['lin_read']}，"
-        f"比拷贝探测还快（{v['lin_read_frac']}）：只读不写，探测的拷贝带宽不是它的上限。")
+    v["read_words"] = read_words(lin_side, f"{L.matmul_param_count(cfg) * L.dtype_bytes(dtype) / MiB:,.0f} MiB",
+                                 ms(s.linear[lin_side]), read, s.bandwidth, lab.on_gpu, words["threads"])
     if not cp:
         v["compute_words"] = (f"扫到的批都在带宽一侧，线性层在 B = {hi} 时单独跑出 {rate / 1e9:,.1f} GFLOP/s，"
                               f"离方阵探测的 {words['flops']} 还远，用不着它。")
@@ -530,6 +565,7 @@ def glue_chapter(lab, s: DecodeSweep, ctx: int, samplers: dict, sampler_rows: in
             f"只有 {hi} 行的矩阵乘又窄又扁，矩阵乘库喂不满计算单元。",
             f"算力一侧，B = {hi} 时线性层单独跑出 {rate / 1e9:,.1f} GFLOP/s，不低于方阵探测的 {words['flops']}："
             f"只有 {hi} 行的矩阵乘也跑到了探测值，那个方阵不是它的上限。")
+    v["gap_words"] = gap_words(read, s.bandwidth, rate, s.peak_flops, bool(cp))
     # Contexts: the KV reads that no batch shares
     cb = context_batch(batches)
     ctxs = sorted(c for b, c in s.step if b == cb)
@@ -541,9 +577,8 @@ def glue_chapter(lab, s: DecodeSweep, ctx: int, samplers: dict, sampler_rows: in
     # The sampler (exercise 4)
     claim(samplers["same"], "先取 top-k 再抽样，抽到的 token 和整表排序时一样")
     v.update({"ex4_rows": str(sampler_rows), "ex4_greedy": ms(samplers["greedy"]), "ex4_sort": ms(samplers["sort"]),
-              "ex4_topk": ms(samplers["topk"]), "ex4_share": f"{samplers['sort'] / s.step[hi, ctx]:.0%}"})
-    v["ex4_speed"] = choose(samplers["topk"] < samplers["sort"], f"快了 {samplers['sort'] / samplers['topk']:.1f} 倍",
-                            f"反而慢了（{samplers['topk'] / samplers['sort']:.1f} 倍）")
+              "ex4_share": f"{samplers['sort'] / s.step[hi, ctx]:.0%}"})
+    v["ex4_speed"] = topk_words(samplers["sort"], samplers["topk"])
     v |= host_words(host)
     v["record_note"] = _record_note()
     return g_all(v)

@@ -405,12 +405,13 @@ class GqaMha:
     def why(self, name: str, point) -> str | None:
         """Why ``name``'s step at ``point`` beat its floor, from its linear layers timed at that
         batch; None when it did not, or nothing explains it."""
-        c, batch = self.config(name), point[0]
-        seconds = self.linear[name][batch]
-        return linear_beat_words(self.times[name][point], self.floor(name, point),
-                                 batch * L.matmul_flops_per_token(c) / seconds,
-                                 L.matmul_weight_bytes(c, batch, self.dtype) / seconds,
-                                 f"{name} 在 B = {batch}、c = {fmt_int(point[1])} 时")
+        return linear_beat_words(self.times[name][point], self.floor(name, point), *self.linear_rates(name, point[0]),
+                                 f"{name} 在 B = {point[0]}、c = {fmt_int(point[1])} 时")
+
+    def linear_rates(self, name: str, batch: int) -> tuple[float, float]:
+        """FLOP/s and weight-read bytes/s of ``name``'s linear layers timed alone at ``batch`` rows."""
+        c, seconds = self.config(name), self.linear[name][batch]
+        return batch * L.matmul_flops_per_token(c) / seconds, L.matmul_weight_bytes(c, batch, self.dtype) / seconds
 
     @property
     def points(self) -> list[tuple[int, int]]:
@@ -474,6 +475,26 @@ def floor_checks(s: Steps, g: GqaMha) -> list[tuple]:
     return checks + [(g.times[name][p], g.floor(name, p), g.why(name, p)) for name in ("GQA", "MHA") for p in g.points]
 
 
+def ratio_words(measured: float, floor: float, read_slow: bool) -> str:
+    """Recompute over cached, ``measured`` against the ratio of their floors; ``read_slow`` when the
+    cached step's linear layers read their weights slower than the probed copy."""
+    return choose(measured < floor, choose(
+        read_slow, "实测之比小于下界之比：带 cache 的一步离下界更远，固定开销和读权重的低效把它垫高了。",
+        "实测之比小于下界之比：带 cache 的一步离下界更远，每步的固定开销把它垫高了。"),
+        "实测之比不小于下界之比：重算的一步离下界更远，下面“为什么对不上”的第 3 条量了它差在哪里。")
+
+
+def mha_words(measured: float, floor: float, read_slow: bool, on_gpu: bool) -> str:
+    """MHA over GQA, ``measured`` against the ratio of their floors; ``read_slow`` when the linear
+    layers of both read their weights slower than the probed copy."""
+    return choose(measured < floor, choose(
+        read_slow, "实测之比小于下界之比：两者共有的固定开销和读权重的低效把倍数往 1 拉。",
+        "实测之比小于下界之比：两者共有的每步固定开销把倍数往 1 拉。"), choose(
+        on_gpu, "实测之比不小于下界之比：KV 越多，注意力 kernel 读 KV 的效率在一步里越要紧。",
+        "实测之比不小于下界之比：CPU 的参考实现先把 K、V 收集成一份连续的拷贝再算，KV 字节被搬了不止一遍，"
+        "KV 越多，这份额外的搬运越多。"))
+
+
 def glue_chapter(lab, s: Steps, gen: Generation, kv_rows, waste: Waste, g: GqaMha) -> dict[str, str]:
     """What the chapter page quotes from this lab, glued (and returned)."""
     from minillm.lab.notebook import g_all, profile_words
@@ -510,10 +531,7 @@ def glue_chapter(lab, s: Steps, gen: Generation, kv_rows, waste: Waste, g: GqaMh
         f"{rate / 1e9:,.1f} GFLOP/s，已不低于方阵探测的 {s.peak_flops / 1e9:,.1f} GFLOP/s。")
     v["sides"] = (f"这台机器的脊点是 {words['ridge']} FLOP/字节；带 cache 的一步强度只有 {c_max.intensity:.2f}，落在带宽一侧，"
                   f"重算的一步强度 {r_max.intensity:,.0f}，落在算力一侧。")
-    v["ratio_words"] = choose(
-        s.recompute[t_max] / s.cached[t_max] < r_max.seconds / c_max.seconds,
-        "实测之比小于下界之比：带 cache 的一步离下界更远，固定开销和读权重的低效把它垫高了。",
-        "实测之比不小于下界之比：重算的一步离下界更远，下面“为什么对不上”的第 3 条量了它差在哪里。")
+    v["ratio_words"] = ratio_words(s.recompute[t_max] / s.cached[t_max], r_max.seconds / c_max.seconds, read < s.bandwidth)
     # The real model's generation
     same = gen.tokens[True] == gen.tokens[False]
     claim(same, "带 cache 和重算，贪心生成的 token 一字不差")
@@ -549,12 +567,6 @@ def glue_chapter(lab, s: Steps, gen: Generation, kv_rows, waste: Waste, g: GqaMh
               "mha_kv": L.fmt_bytes(L.kv_bytes_per_token(mha_variant(g.cfg), g.dtype)),
               "mha_floor_ratio": f"{fm.seconds / fg.seconds:.2f}",
               "mha_ratio": f"{g.times['MHA'][point] / g.times['GQA'][point]:.2f}"})
-    if g.times["MHA"][point] / g.times["GQA"][point] < fm.seconds / fg.seconds:
-        v["mha_words"] = "实测之比小于下界之比：两者共有的固定开销和读权重的低效把倍数往 1 拉。"
-    else:
-        v["mha_words"] = choose(
-            not lab.on_gpu,
-            "实测之比不小于下界之比：CPU 的参考实现先把 K、V 收集成一份连续的拷贝再算，KV 字节被搬了不止一遍，"
-            "KV 越多，这份额外的搬运越多。",
-            "实测之比不小于下界之比：KV 越多，注意力 kernel 读 KV 的效率在一步里越要紧。")
+    reads_slow = all(g.linear_rates(name, point[0])[1] < g.bandwidth for name in ("GQA", "MHA"))
+    v["mha_words"] = mha_words(g.times["MHA"][point] / g.times["GQA"][point], fm.seconds / fg.seconds, reads_slow, lab.on_gpu)
     return g_all(v)
