@@ -91,3 +91,60 @@ def test_sweep_times_a_real_model():
         kit.sweep(model, (1,), 1e11, 4e10, repeats=1, rounds=2)
     seconds = kit.logits_seconds(model, 8, repeats=1)
     assert set(seconds) == {False, True} and min(seconds.values()) > 0
+
+
+def test_shape_words_choose_on_the_rate_and_the_linear_share_of_the_gap():
+    faster = kit.shape_words(256, 2e11, 1e11, 0.0, 0.3)
+    assert "比方阵探测还快（200%）" in faster and "到别处去找" in faster
+    main = kit.shape_words(256, 5e10, 1e11, 0.2, 0.3)
+    assert "是方阵探测的 50%" in main and "不少于整次预填充比下界多出的 300.0 ms 的一半" in main
+    assert main.endswith("算力一侧的差距主要在这里。")
+    minor = kit.shape_words(256, 5e10, 1e11, 0.1, 0.3)
+    assert "不到整次预填充比下界多出的 300.0 ms 的一半" in minor and minor.endswith("大半在线性层之外。")
+
+
+def test_knee_words_compare_the_floor_share_at_both_ends():
+    short_far = kit.knee_words(0.28, 0.66)
+    assert short_far.startswith("最短的 prompt 离下界比最长的远（下界占实测的 28%，最长的占 66%）")
+    long_far = kit.knee_words(0.7, 0.5)
+    assert long_far.startswith("最长的 prompt 离下界不比最短的近（下界占实测的 50%，最短的占 70%）")
+
+
+def test_read_words_name_the_device_and_the_cache_only_when_known():
+    cpu = kit.read_words(1, 512 * 2**20, 0.05, 4e10, False, None)
+    assert "读速度 10.7 GB/s，是拷贝探测的 27%" in cpu and "一个线程" in cpu
+    gpu = kit.read_words(1, 512 * 2**20, 0.05, 4e10, True, None)
+    assert "是拷贝探测的 27%" in gpu and "显存带宽" in gpu and "线程" not in gpu
+    cached = kit.read_words(1, 512 * 2**20, 0.01, 4e10, False, 32 * 2**20)
+    assert "比拷贝探测还快（134%）" in cached and "留在 32 MiB 的缓存里" in cached
+    unknown = kit.read_words(1, 512 * 2**20, 0.01, 4e10, False, None)
+    assert unknown.endswith("一部分权重还留在缓存里。") and " B " not in unknown
+
+
+def test_gap_summary_names_only_the_measured_shortfalls():
+    both = kit.gap_summary(True, True)
+    assert "跑不到方阵的速率" in both and "读权重比拷贝慢" in both
+    assert "读权重倒比拷贝快" in kit.gap_summary(True, False)
+    assert "矩阵乘倒比方阵跑得快" in kit.gap_summary(False, True)
+    neither = kit.gap_summary(False, False)
+    assert "读权重也比拷贝快" in neither and "慢" not in neither
+
+
+def test_every_row_logits_floor_and_words():
+    cfg = load_config("smollm2-135m")
+    f = kit.every_row_floor(cfg, 256, 1e11, 4e10)
+    assert f.flops == L.output_layer_flops(cfg) * 255 and f.bytes == 255 * cfg.vocab_size * 4
+    assert f.seconds == max(f.flops / 1e11, f.bytes / 4e10)
+    assert "反而快 10.0 ms" in kit.every_row_words(-0.01, f)
+    assert "站得住" in kit.every_row_words(f.seconds * 2, f)
+    slow_math, slow_write = kit.every_row_floor(cfg, 256, 1e11, 4e15), kit.every_row_floor(cfg, 256, 1e15, 4e10)
+    assert (slow_math.bound, slow_write.bound) == ("compute", "memory")
+    assert "还少" in kit.every_row_words(slow_math.seconds / 2, slow_math)
+    assert "矩阵乘跑得比探测的方阵快" in kit.every_row_words(slow_math.seconds / 2, slow_math)
+    assert "这里只写" in kit.every_row_words(slow_write.seconds / 2, slow_write)
+
+
+def test_last_row_seconds_prefer_the_sweep():
+    s = kit.Sweep(load_config("smollm2-135m"), "float32", 1e11, 4e10, forward={1: 0.05, 256: 0.8})
+    assert kit.last_row_seconds(s, 256, {False: 0.9, True: 1.2}) == 0.8
+    assert kit.last_row_seconds(s, 128, {False: 0.4, True: 0.6}) == 0.4

@@ -351,16 +351,30 @@ def logits_seconds(model, n: int, repeats: int = REPEATS) -> dict[bool, float]:
     return {rows: min(t) for rows, t in samples.items()}
 
 
-def show_logits(cfg, n: int, seconds: dict[bool, float], P: float) -> None:
-    """The two prefills side by side, and the extra output-layer FLOPs at the probed rate."""
+def every_row_floor(cfg, n: int, P: float, W: float) -> L.Floor:
+    """The floor of what logits for every row of an ``n``-token prefill (``n >= 2``) add to the last
+    row's: the output layer on ``n - 1`` more rows, and their float32 logits written."""
+    return L.roofline_floor(L.output_layer_flops(cfg) * (n - 1), (n - 1) * cfg.vocab_size * 4, P, W)
+
+
+def last_row_seconds(s: Sweep, n: int, seconds: dict[bool, float]) -> float:
+    """The prefill of ``n`` tokens with the last row's logits: the sweep's point when it swept
+    ``n`` (one prefill, one number), else the paired run's (``logits_seconds``)."""
+    return s.forward.get(n, seconds[False])
+
+
+def show_logits(s: Sweep, n: int, seconds: dict[bool, float]) -> None:
+    """The last-row prefill, what every row's logits add to it (the paired difference) and the
+    floor of that extra work at the profile's P and W."""
     from minillm.lab.notebook import remainder
 
-    extra = L.output_layer_flops(cfg) * (n - 1)
+    extra = every_row_floor(s.cfg, n, s.peak_flops, s.bandwidth)
+    source = "第 2 节的实测" if n in s.forward else "和每行都算的那次轮流计时"
     show_table(["", "值"], [
-        [f"n = {fmt_int(n)}，只为最后一行算 logits", ms(seconds[False])],
-        ["每一行都算 logits", ms(seconds[True])],
-        ["多出来的时间", remainder(seconds[True], seconds[False])],
-        ["多出来的运算 ÷ 探测的 P", f"{extra / 1e9:,.2f} GFLOP → {ms(extra / P)}"]])
+        [f"n = {fmt_int(n)}，只为最后一行算 logits（{source}）", ms(last_row_seconds(s, n, seconds))],
+        ["每一行都算，多出来的时间（两者轮流计时，各取最快的一次相减）", remainder(seconds[True], seconds[False])],
+        [f"多出来的工作：{fmt_int(n - 1)} 行输出层、{fmt_int(n - 1)} 行 float32 logits 的写出",
+         f"{extra.flops / 1e9:,.2f} GFLOP、{L.fmt_bytes(extra.bytes)} → {floor_words(extra)}"]])
 
 
 def _gpu_record():
@@ -399,6 +413,80 @@ def _beat_why(s: Sweep, n: int) -> str | None:
     return linear_beat_words(s.forward[n], s.floor(n), s.shape_rate(n), s.read_rate(n), f"n = {fmt_int(n)} 时")
 
 
+def shape_words(n: int, rate: float, peak: float, linear_extra: float, gap: float) -> str:
+    """The model's own matmul rate at ``n`` rows against the probed ``peak``, and whether the
+    linear layers' time over the probed rate (``linear_extra``) is most of the prefill's time over
+    its floor (``gap``)."""
+    head = f"模型自己的矩阵在 n = {fmt_int(n)} 时跑出 {rate / 1e9:,.1f} GFLOP/s，"
+    if rate > peak:
+        return head + f"比方阵探测还快（{rate / peak:.0%}）：探测用的方阵不是这些形状的上限，算力一侧的差距要到别处去找。"
+    slow = head + f"是方阵探测的 {rate / peak:.0%}：矩阵越窄、越扁，矩阵乘库越难把计算单元喂满。"
+    return slow + choose(
+        linear_extra >= gap / 2,
+        f"线性层因此比按探测速率算多花 {ms(linear_extra)}，不少于整次预填充比下界多出的 {ms(gap)} 的一半："
+        "算力一侧的差距主要在这里。",
+        f"线性层因此比按探测速率算多花 {ms(linear_extra)}，不到整次预填充比下界多出的 {ms(gap)} 的一半："
+        "算力一侧的差距大半在线性层之外。")
+
+
+def knee_words(share_small: float, share_large: float) -> str:
+    """Which end of the sweep is farther from its floor: the floor's share of the measured time at
+    the shortest prompt (``share_small``) against the longest (``share_large``)."""
+    return choose(
+        share_small < share_large,
+        f"最短的 prompt 离下界比最长的远（下界占实测的 {share_small:.0%}，最长的占 {share_large:.0%}）："
+        "读权重的平台被下面几项垫得比做运算的斜线更高。",
+        f"最长的 prompt 离下界不比最短的近（下界占实测的 {share_large:.0%}，最短的占 {share_small:.0%}）："
+        "做运算的斜线被下面几项垫得至少和读权重的平台一样高。")
+
+
+def read_words(n: int, nbytes: float, seconds: float, bandwidth: float, on_gpu: bool, llc: int | None) -> str:
+    """How fast the linear layers read their ``nbytes`` of weights in ``seconds`` at ``n`` rows,
+    against the probed copy ``bandwidth``, and why (``llc``: the largest cache, None if unknown)."""
+    rate = nbytes / seconds
+    head = (f"n = {fmt_int(n)} 时，线性层读 {nbytes / MiB:,.0f} MiB 的权重用了 {ms(seconds)}，"
+            f"读速度 {rate / GB:,.1f} GB/s，")
+    if rate <= bandwidth:
+        return head + choose(
+            on_gpu,
+            f"是拷贝探测的 {rate / bandwidth:.0%}：每一层的权重分给好几个矩阵-向量乘的 kernel 依次去读，"
+            "每个都要启动、收尾，喂不满显存带宽，拷贝却是一整块不间断的流式读写。",
+            f"是拷贝探测的 {rate / bandwidth:.0%}：矩阵-向量乘要边读边算，一个线程发出的读请求喂不满内存总线，"
+            "拷贝却是纯粹的流式读写。")
+    return head + choose(
+        llc is None,
+        f"比拷贝探测还快（{rate / bandwidth:.0%}）：只读不写，一部分权重还留在缓存里。",
+        f"比拷贝探测还快（{rate / bandwidth:.0%}）：只读不写，一部分权重还留在 {L.fmt_bytes(llc or 0)} 的缓存里。")
+
+
+def gap_summary(shape_slow: bool, read_slow: bool) -> str:
+    """The summary's sentence on where the lab's gap to the floor comes from: the two measured
+    shortfalls it names only where they were measured (``shape_slow``: the model's matmuls below
+    the probed rate; ``read_slow``: its weight reads below the probed copy)."""
+    if shape_slow:
+        return choose(read_slow, "差距来自模型形状的矩阵乘跑不到方阵的速率、读权重比拷贝慢、账本外的固定开销和逐元素运算。",
+                      "差距来自模型形状的矩阵乘跑不到方阵的速率、账本外的固定开销和逐元素运算；读权重倒比拷贝快。")
+    return choose(read_slow, "差距来自读权重比拷贝慢、账本外的固定开销和逐元素运算；模型形状的矩阵乘倒比方阵跑得快。",
+                  "模型形状的矩阵乘比方阵快，读权重也比拷贝快，差距来自账本外的固定开销和逐元素运算。")
+
+
+def every_row_words(extra: float, floor: L.Floor) -> str:
+    """Exercise 4's sentence: what every row's logits added (``extra`` seconds, a paired difference)
+    against the ``floor`` of that extra work (``every_row_floor``)."""
+    if extra <= 0:  # noise hid the difference this time
+        return (f"两者轮流计时，这一次每行都算的那次反而快 {ms(-extra)}，差被计时噪声盖过了，量不出输出层多花的时间；"
+                f"多出来的工作的下界是 {floor_words(floor)}。")
+    if extra >= floor.seconds:
+        return (f"两者轮流计时，每行都算的那次多出 {ms(extra)}，不低于多出来的工作（多算的输出层、多写的 logits）"
+                f"的下界 {floor_words(floor)}，账本对输出层的估计站得住。")
+    return choose(
+        floor.bound == "compute",
+        f"两者轮流计时，每行都算的那次只多出 {ms(extra)}，比多出来的工作的下界 {floor_words(floor)} 还少："
+        "输出层这个又宽又扁的矩阵乘跑得比探测的方阵快，探测值不是它的上限。",
+        f"两者轮流计时，每行都算的那次只多出 {ms(extra)}，比多出来的工作的下界 {floor_words(floor)} 还少："
+        "多写的 logits 写得比拷贝探测还快（拷贝要读也要写，这里只写）。")
+
+
 def glue_chapter(lab, s: Sweep, logits: dict[bool, float], logits_n: int) -> dict[str, str]:
     """What the chapter page quotes from this lab, glued (and returned)."""
     from minillm.lab.notebook import g_all, last_level_cache_bytes, profile_words
@@ -415,7 +503,7 @@ def glue_chapter(lab, s: Sweep, logits: dict[bool, float], logits_n: int) -> dic
          "lengths": f"{fmt_int(small)} 到 {fmt_int(large)}", "repeats": str(s.repeats),
          "cross_est": fmt_int(s.crossover), "knee": fmt_int(s.knee),
          "bw_side": "、".join(fmt_int(n) for n in bw_side) or "（没有）",
-         "llc": L.fmt_bytes(last_level_cache_bytes(lab.device) or 0)}
+         "mid_label": choose(mid >= s.crossover, "过了拐点", "中间")}
     for i, n in enumerate(points):
         v.update({f"n_{i}": fmt_int(n), f"floor_{i}": floor_words(s.floor(n)), f"t_{i}": ms(s.forward[n]),
                   f"share_{i}": f"{s.floor(n).share_of(s.forward[n]):.0%}", f"mfu_{i}": f"{s.mfu(n):.0%}"})
@@ -430,48 +518,22 @@ def glue_chapter(lab, s: Sweep, logits: dict[bool, float], logits_n: int) -> dic
     # The two ends of the sweep, item by item
     rate, read = s.shape_rate(large), s.read_rate(small)
     rest_small = s.forward[small] - s.linear[small]
-    v.update({"shape_rate": f"{rate / 1e9:,.1f} GFLOP/s", "shape_frac": f"{rate / s.peak_flops:.0%}",
-              "lin_share_large": f"{s.linear[large] / s.forward[large]:.0%}",
-              "read_bw": f"{read / GB:,.1f} GB/s", "read_frac": f"{read / s.bandwidth:.0%}",
-              "lin_bytes": f"{linear_bytes(cfg, dtype) / MiB:,.0f} MiB",
-              "lin_small": ms(s.linear[small]), "fwd_small": ms(s.forward[small])})
     v["rest_small"] = choose(
         rest_small > 0,
         f"整次预填充比线性层单独跑多出 {ms(rest_small)}，占 {rest_small / s.forward[small]:.0%}：这一截是注意力、"
         "归一化、RoPE、写 KV 和几百个算子在 Python 里逐个发出的固定开销，账本里没有它。",
         "整次预填充并不比线性层单独跑慢：这一次的计时噪声盖过了其余各项。")
-    v["shape_words"] = choose(
-        rate <= s.peak_flops,
-        f"模型自己的矩阵在 n = {fmt_int(large)} 时跑出 {v['shape_rate']}，是方阵探测的 {v['shape_frac']}："
-        "矩阵越窄、越扁，矩阵乘库越难把计算单元喂满，算力一侧的差距主要在这里。",
-        f"模型自己的矩阵在 n = {fmt_int(large)} 时跑出 {v['shape_rate']}，比方阵探测还快（{v['shape_frac']}）："
-        "探测用的方阵不是这些形状的上限，算力一侧的差距要到别处去找。")
-    v["knee_words"] = choose(
-        s.knee > s.crossover,
-        "实测的交点偏右：最短的 prompt 离下界最远，读权重的平台被下面几项垫高了。",
-        "实测的交点不在估算的右边：最长的 prompt 离下界比最短的还远，做运算的斜线被垫得更高。")
-    v["read_words"] = choose(
-        read <= s.bandwidth,
-        f"n = {fmt_int(small)} 时，线性层读 {v['lin_bytes']} 的权重用了 {v['lin_small']}，读速度 {v['read_bw']}，"
-        f"是拷贝探测的 {v['read_frac']}：矩阵-向量乘要边读边算，一个线程发出的读请求喂不满内存总线，"
-        "拷贝却是纯粹的流式读写。",
-        f"n = {fmt_int(small)} 时，线性层读 {v['lin_bytes']} 的权重用了 {v['lin_small']}，读速度 {v['read_bw']}，"
-        f"比拷贝探测还快（{v['read_frac']}）：只读不写，一部分权重还留在 {v['llc']} 的缓存里。")
+    v["shape_words"] = shape_words(large, rate, s.peak_flops, s.linear[large] - linear_flops(cfg, large) / s.peak_flops,
+                                   s.forward[large] - s.floor(large).seconds)
+    v["knee_words"] = knee_words(s.floor(small).share_of(s.forward[small]), s.floor(large).share_of(s.forward[large]))
+    v["read_words"] = read_words(small, linear_bytes(cfg, dtype), s.linear[small], s.bandwidth, lab.on_gpu,
+                                 last_level_cache_bytes(lab.device))
+    v["gap_summary"] = gap_summary(rate <= s.peak_flops, read <= s.bandwidth)
     # Logits for every row, or for the last one (exercise 4)
-    extra = logits[True] - logits[False]
-    extra_floor = L.output_layer_flops(cfg) * (logits_n - 1) / s.peak_flops
-    v.update({"ex4_n": fmt_int(logits_n), "ex4_last": ms(logits[False]), "ex4_all": ms(logits[True]),
-              "ex4_extra": ms(extra), "ex4_floor": ms(extra_floor),
+    v.update({"ex4_n": fmt_int(logits_n), "ex4_last": ms(last_row_seconds(s, logits_n, logits)),
+              "ex4_words": every_row_words(logits[True] - logits[False],
+                                           every_row_floor(cfg, logits_n, s.peak_flops, s.bandwidth)),
               "ex4_share": f"{L.output_layer_flops(cfg) * (logits_n - 1) / L.prefill(cfg, logits_n, dtype).flops:.0%}"})
-    if extra <= 0:  # noise hid the difference this time
-        v["ex4_words"] = (f"这一次两者的差被计时噪声盖过了（每行都算的那次反而快 {ms(-extra)}），"
-                          f"量不出输出层多花的时间；这些运算按探测速率算要 {v['ex4_floor']}。")
-    else:
-        v["ex4_words"] = choose(
-            extra >= extra_floor,
-            f"多出来的 {v['ex4_extra']} 不少于这些运算按探测速率算的 {v['ex4_floor']}，账本对输出层的估计站得住。",
-            f"多出来的 {v['ex4_extra']} 比这些运算按探测速率算的 {v['ex4_floor']} 还少："
-            "输出层这个又宽又扁的矩阵乘跑得比探测的方阵快。")
     v["record_note"] = _record_note()
     return g_all(v)
 
