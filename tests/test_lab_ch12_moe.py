@@ -115,3 +115,16 @@ def test_the_sweep_table():
     assert rows[1][2] == "3.5" and rows[1][4] == "2.00" and rows[1][5] == "1.75" and rows[1][6] == "1.14"
     assert rows[1][9] == "1.5 ms"
     assert ch12.skew_rows(cfg, pts, pts)[1][4] == f"{(2 * 4 / 8 + 4 * 4 / 8) / 2:.1f}"
+
+
+def test_the_rebound_note_fits_the_ratio_and_the_bound():
+    assert ch12.rebound_note([1.0, 0.8, 0.7], "compute").startswith("这一次“两者之比”在最大的批上没有回升")
+    assert ch12.rebound_note([1.0, 0.7, 0.9], "compute") == "“两者之比”在最大的批上回升：时间比专家数涨得更快，多出来的是运算。"
+    memory = ch12.rebound_note([1.0, 0.7, 0.9], "memory")
+    assert memory.startswith("“两者之比”在最大的批上回升") and "仍由带宽决定" in memory and "多出来的是运算" not in memory
+
+
+def test_the_batch1_cache_note_has_a_sentence_for_an_unknown_cache():
+    assert ch12.b1_cached_note(5e6, None).startswith("本机最大一级缓存有多大，这次没查到")
+    assert ch12.b1_cached_note(5e6, 32_000_000).startswith("批 1 的一步读的字节比本机最大一级缓存（32 MB）还少")
+    assert ch12.b1_cached_note(5e7, 32_000_000) == "批 1 的一步也比本机最大一级缓存大，重复计时的每一遍都要从内存里读。"

@@ -97,3 +97,11 @@ def test_the_decode_table_names_the_binding_ceiling_as_the_book_writes_it():
     rows = ch13.decode_rows(load_config("llama-3.1-8b"), lookup_gpu("H100 SXM"))
     assert [r[0] for r in rows] == list(ch13.CARD_COUNTS)
     assert all(r[1].startswith("≥ ") and r[1].endswith("（带宽：M/W）") for r in rows)  # batch 1: bandwidth-bound
+
+
+def test_the_estimate_against_the_engine_is_one_sentence_per_band():
+    longer, shorter, close = (ch13.est_vs_measured(m, 1e-3) for m in (2e-3, 0.5e-3, 1.2e-3))
+    assert longer.startswith("引擎里量到的 all-reduce 时间比 α–β 估算的长得多")
+    assert shorter.startswith("引擎里量到的 all-reduce 时间比 α–β 估算的还短得多")
+    assert close.startswith("引擎里量到的 all-reduce 时间和 α–β 估算相差不到一半")
+    assert ch13.est_vs_measured(1.5e-3, 1e-3) == close and ch13.est_vs_measured(1e-3 / 1.5, 1e-3) == close

@@ -1,6 +1,7 @@
 """The diagnosis chapter's kit (minillm.lab.chapters.ch14_diagnose): the lab's scenarios as the
 engine schedules them, and the numbers the page glues."""
 import functools
+from types import SimpleNamespace
 
 import torch
 
@@ -8,7 +9,7 @@ from minillm.engine.config import load_config
 from minillm.engine.loader import load_model
 from minillm.lab import estimate as L
 from minillm.lab.chapters import ch14_diagnose as kit
-from minillm.lab.diagnose import Batching
+from minillm.lab.diagnose import Batching, ServerView
 from minillm.lab.notebook import Lab
 
 
@@ -70,11 +71,45 @@ def batching(decode_bytes_per_s: float, prefill_flops_per_s: float) -> Batching:
 
 def test_the_ceiling_note_is_one_whole_sentence_per_case():
     under, over = batching(5e9, 5e10), batching(2e10, 2e11)
-    assert kit.ceiling_note(under, under, "本机机器画像") == "两个利用率都在 100% 之下。"
+    assert kit.ceiling_note(under, under, "本机机器画像") == "两个利用率都在 100% 之下。差距来自几处，前面几章逐项量过："
     mfu = kit.ceiling_note(over, under, "本机机器画像")
     assert mfu.startswith("MFU 超过了 100%：算 prompt 的步实际达到 200.0 GFLOP/s，高于上限 100.0 GFLOP/s。")
     assert "本机机器画像里的矩阵乘速率" in mfu and "GB/s" not in mfu
+    assert mfu.endswith("MBU 离 100% 的差距来自几处，前面几章逐项量过：")
     mbu = kit.ceiling_note(under, over, "规格表")
     assert mbu.startswith("MBU 超过了 100%：纯解码的步实际读了 20.0 GB/s，高于上限 10.0 GB/s。") and "规格表里的带宽" in mbu
+    assert mbu.endswith("MFU 离 100% 的差距来自几处，前面几章逐项量过：")
     both = kit.ceiling_note(over, over, "本机机器画像")
-    assert both.startswith("两个利用率都超过了 100%") and "200.0 GFLOP/s" in both and "20.0 GB/s" in both
+    assert both.startswith("两个利用率都超过了 100%") and "200.0 GFLOP/s" in both and "20.0 GB/s" in both and "差距" not in both
+
+
+def test_the_scale_note_names_the_scaling_only_on_the_cpu():
+    gpu = kit.scenarios(on_gpu=True)
+    assert kit.scale_note(gpu, gpu) == "请求的长度和个数都按 GPU 上的原样。"
+    assert kit.scale_note(kit.scenarios(on_gpu=False), gpu) == (
+        "这是 CPU，请求和输出的长度都缩小到 GPU 上的 1/4，“解码为主”的请求也从 128 个减到 4 个。")
+
+
+def client(wall=None, mean_ttft=None, extra_ttft=None, metrics=True, preemptions=0, kv=0.5, waiting=None):
+    """A client-side diagnosis with the given server view (``metrics=False``: none exported)."""
+    sv = ServerView("minillm", preemptions, 0, kv, waiting, 2.0, mean_ttft, None, None) if metrics else None
+    return SimpleNamespace(server_view=sv, wall=wall, extra_ttft=extra_ttft, latency=SimpleNamespace(ttft={"mean": 0.3}))
+
+
+def test_the_client_wall_note_is_built_only_for_the_case_that_holds():
+    assert kit.client_wall_note(client(metrics=False), "capacity") == (
+        "服务器没有导出 /metrics，从客户端的记录判不出是哪堵墙（引擎的记录说是容量墙）。")
+    assert kit.client_wall_note(client(), "capacity").startswith("从客户端的记录却判不出是哪堵墙（引擎的记录说是容量墙）")
+    full = kit.client_wall_note(client("capacity", kv=1.0, waiting=9.0), "capacity")
+    assert full == "从客户端的记录也判得出是容量墙：服务器的 KV 占用最高到了 100%，同时最多有 9 个请求在等。"
+    preempted = kit.client_wall_note(client("capacity", preemptions=3, kv=None), "capacity")
+    assert preempted.startswith("从客户端的记录也判得出是容量墙：服务器的计数里有 3 次抢占")
+
+
+def test_the_client_extra_sentence_compares_the_same_run():
+    assert kit.client_extra_sentence(client(metrics=False)).startswith("服务器的 /metrics 里没有它自己记的 TTFT")
+    more = kit.client_extra_sentence(client(mean_ttft=0.25, extra_ttft=0.05))
+    assert more == ("客户端量到的平均 TTFT 是 300.0 ms，同一次运行里服务器自己记的是 250.0 ms，"
+                    "客户端多等的 50.0 ms 是网络、HTTP 和等下一步开始的时间。")
+    less = kit.client_extra_sentence(client(mean_ttft=0.32, extra_ttft=-0.02))
+    assert less.startswith("客户端量到的平均 TTFT 是 300.0 ms，同一次运行里服务器自己记的是 320.0 ms，客户端这边反而短了 20.0 ms")

@@ -324,6 +324,8 @@ def glue_chapter(r: dict) -> None:
     claim(last.seconds > 2 * first.seconds, "the MoE's step is much slower at the largest batch than at one token",
           b1=first.seconds, last=last.seconds)
     claim(time_x > dense[-1].seconds / dense[0].seconds, "the MoE's step time grows faster with B than the dense twin's")
+    claim(dense[-1].seconds > dense[0].seconds, "the dense twin's step is slower at the largest batch than at one token",
+          b1=dense[0].seconds, last=dense[-1].seconds)
     ratios = [(p.seconds / first.seconds) / (p.mean_touched / first.mean_touched) for p in moe]
     g("lab_ratio_lo", f"{min(ratios):.2f}")
     g("lab_ratio_hi", f"{max(ratios):.2f}")
@@ -347,15 +349,13 @@ def glue_chapter(r: dict) -> None:
     g("lab_last_floor", floor_words(floor))
     g("lab_bw", f"{profile.copy_bandwidth / 1e9:,.1f} GB/s")
     g("lab_flops", f"{profile.matmul_flops / 1e9:,.1f} GFLOP/s")
+    g("lab_ridge", f"{profile.ridge_point:,.1f}")
     share = last.batch * cfg.num_experts_per_tok / cfg.num_experts
     g("lab_big_bound", choose(
         floor.bound == "compute",
         f"批 {last.batch} 时每个专家分到约 {share:.0f} 个 token，这一步的下界已经由算力决定。",
         f"批 {last.batch} 时每个专家分到约 {share:.0f} 个 token，这一步的下界仍由带宽决定，但每个字节要做的运算已经是批 1 时的好几倍。"))
-    g("lab_rebound", choose(
-        ratios[-1] > ratios[-2],
-        "“两者之比”在最大的批上回升：时间比专家数涨得更快，多出来的是运算。",
-        "这一次“两者之比”在最大的批上没有回升：运算多出来的那一份没有在时间里显出来。"))
+    g("lab_rebound", rebound_note(ratios, floor.bound))
     dense_floor = lab_floor(r["dense_cfg"], dense[-1], profile, dtype)
     g("lab_dense_why", choose(
         dense_floor.bound == "compute",
@@ -365,16 +365,13 @@ def glue_chapter(r: dict) -> None:
         "注意力、KV 和每一步的固定开销都随批增长。"))
     kv = last.batch * L.kv_bytes(cfg, LAB_CTX, dtype)
     g("lab_mbu", f"{(read + kv) / last.seconds / profile.copy_bandwidth:.0%}")
-    one_read = weights_read_counted(cfg, first.touched, dtype) + L.kv_bytes(cfg, LAB_CTX, dtype)
+    one_read = weights_read_counted(cfg, first.touched, dtype)
+    one_bytes = one_read + L.kv_bytes(cfg, LAB_CTX, dtype)
     g("lab_b1_read_mb", f"{one_read / 1e6:,.0f} MB")
-    g("lab_b1_mbu", f"{one_read / first.seconds / profile.copy_bandwidth:.0%}")
+    g("lab_b1_mbu", f"{one_bytes / first.seconds / profile.copy_bandwidth:.0%}")
     every = decode_read_bytes(cfg, dtype) + L.kv_bytes(cfg, LAB_CTX, dtype)
     g("lab_b1_mbu_total", f"{every / first.seconds / profile.copy_bandwidth:.0%}")
-    g("lab_b1_cached", choose(
-        llc is not None and one_read < llc,
-        f"批 1 的一步读的字节比本机最大一级缓存（{(llc or 0) / 1e6:,.0f} MB）还少，同一步重复计时，后几遍有一部分是从缓存里读的，"
-        "它的 MBU 因此可能偏高。",
-        "批 1 的一步也比本机最大一级缓存大，重复计时的每一遍都要从内存里读。"))
+    g("lab_b1_cached", b1_cached_note(one_bytes, llc))
     # the skewed router
     mid = next(i for i, p in enumerate(moe) if p.batch == 16)
     g("skew_hot", str(HOT_EXPERTS))
@@ -398,3 +395,25 @@ def glue_chapter(r: dict) -> None:
         skewed[-1].imbalance > last.imbalance,
         "热门专家的负担也确实更重了。",
         "这一次偏向的路由器在最大的批上反而没有更不均：热门专家不止一个，token 在它们之间又分开了。"))
+
+
+def rebound_note(ratios: list[float], bound: str) -> str:
+    """Whether the time over the experts ratio rises again at the largest batch (``ratios``, by
+    batch), as one whole sentence that fits what bounds that step's floor (``bound``)."""
+    if ratios[-1] <= ratios[-2]:
+        return "这一次“两者之比”在最大的批上没有回升：运算多出来的那一份没有在时间里显出来。"
+    if bound == "compute":
+        return "“两者之比”在最大的批上回升：时间比专家数涨得更快，多出来的是运算。"
+    return ("“两者之比”在最大的批上回升：时间比专家数涨得更快；可这一步的下界仍由带宽决定，"
+            "多出来的那份不能全算在运算头上。")
+
+
+def b1_cached_note(step_bytes: float, llc: int | None) -> str:
+    """Whether batch 1's step (``step_bytes``, weights and KV) fits this machine's last-level cache
+    (``llc`` bytes; None: unknown), as one whole sentence."""
+    if llc is None:
+        return "本机最大一级缓存有多大，这次没查到：批 1 的一步有没有一部分从缓存里读、MBU 有没有因此偏高，说不准。"
+    if step_bytes < llc:
+        return (f"批 1 的一步读的字节比本机最大一级缓存（{llc / 1e6:,.0f} MB）还少，同一步重复计时，后几遍有一部分是从缓存里读的，"
+                "它的 MBU 因此可能偏高。")
+    return "批 1 的一步也比本机最大一级缓存大，重复计时的每一遍都要从内存里读。"

@@ -171,18 +171,56 @@ def show_fixed(before, after):
 
 
 def show_client(view, engine_view):
-    """What the client-side record told against what the engine's own record did."""
+    """What the client-side record of the HTTP run told (the clients' times and the server's
+    /metrics) against the engine's own record of the in-process run."""
     from minillm.lab.report import show_table
 
     sv = view.server_view
-    show_table(["", "客户端的记录", "引擎的记录"], [
+
+    def metric(x, fmt=str):
+        return "—" if sv is None or x is None else fmt(x)
+
+    show_table(["", "HTTP 那次：客户端的记录和 /metrics", "进程内那次：引擎的记录"], [
         ["哪种慢", SYMPTOM_ZH[view.symptom], SYMPTOM_ZH[engine_view.symptom]],
         ["墙", WALL_ZH[view.wall] if view.wall else "判不出", WALL_ZH[engine_view.wall]],
-        ["抢占", sv.num_preemptions, engine_view.latency.num_preemptions],
-        ["KV 峰值", share(sv.peak_kv_usage), share(engine_view.memory.peak_kv_share)],
-        ["平均 TTFT", ms(view.latency.ttft["mean"]), ms(engine_view.latency.ttft["mean"])],
+        ["抢占", metric(sv and sv.num_preemptions), engine_view.latency.num_preemptions],
+        ["KV 峰值", metric(sv and sv.peak_kv_usage, share), share(engine_view.memory.peak_kv_share)],
+        ["平均 TTFT：客户端量的", ms(view.latency.ttft["mean"]), "—"],
+        ["平均 TTFT：服务器自己记的", metric(sv and sv.mean_ttft, ms), ms(engine_view.latency.ttft["mean"])],
         ["每一步的批、受哪个上限限制", "没有步日志，看不出", "有"],
     ])
+
+
+def client_wall_note(view, engine_wall: str) -> str:
+    """What the client-side record (``view``, a ``ClientDiagnosis``) told of the wall the engine's
+    record found (``engine_wall``), as one whole sentence built only for the case that holds."""
+    from minillm.lab.diagnose import KV_FULL_SHARE
+
+    sv, wall = view.server_view, WALL_ZH[engine_wall]
+    if sv is None:
+        return f"服务器没有导出 /metrics，从客户端的记录判不出是哪堵墙（引擎的记录说是{wall}）。"
+    if view.wall is None:
+        return (f"从客户端的记录却判不出是哪堵墙（引擎的记录说是{wall}）：服务器的计数里没有抢占，"
+                "仪表的采样也没碰上 KV 用满的那一刻。")
+    if sv.peak_kv_usage is not None and sv.peak_kv_usage >= KV_FULL_SHARE and sv.peak_waiting:
+        return (f"从客户端的记录也判得出是{WALL_ZH[view.wall]}：服务器的 KV 占用最高到了 {share(sv.peak_kv_usage)}，"
+                f"同时最多有 {sv.peak_waiting:.0f} 个请求在等。")
+    return (f"从客户端的记录也判得出是{WALL_ZH[view.wall]}：服务器的计数里有 {sv.num_preemptions} 次抢占，"
+            "池子在有请求在跑的时候用完了。")
+
+
+def client_extra_sentence(view) -> str:
+    """The clients' mean TTFT against the server's own (from /metrics, the same run), as one whole
+    sentence; one saying so when the server counted no TTFT."""
+    sv = view.server_view
+    if view.extra_ttft is None:
+        return "服务器的 /metrics 里没有它自己记的 TTFT，客户端比它多等了多久，这次算不出来。"
+    client, server = ms(view.latency.ttft["mean"]), ms(sv.mean_ttft)
+    if view.extra_ttft >= 0:
+        return (f"客户端量到的平均 TTFT 是 {client}，同一次运行里服务器自己记的是 {server}，"
+                f"客户端多等的 {ms(view.extra_ttft)} 是网络、HTTP 和等下一步开始的时间。")
+    return (f"客户端量到的平均 TTFT 是 {client}，同一次运行里服务器自己记的是 {server}，客户端这边反而短了 "
+            f"{ms(-view.extra_ttft)}：两边计时的起止点不同，这点差别量不出网络和 HTTP 的开销。")
 
 
 def comparison(r: dict):
@@ -214,7 +252,7 @@ def glue_chapter(r: dict) -> None:
     lab, runs, scene = r["lab"], r["runs"], r["scene"]
     g("device", lab.device_name)
     g("model", lab.config.name)
-    g("scale", str(8192 // scene["long_prompts"].inputs[0]))
+    g("scale_note", scale_note(scene, scenarios(on_gpu=True)))
     claim([d.wall for d in runs.values()] == ["compute", "bandwidth", "capacity"],
           "the three scenarios hit the compute, the bandwidth and the capacity wall",
           walls=[d.wall for d in runs.values()])
@@ -250,6 +288,14 @@ def glue_chapter(r: dict) -> None:
     claim(heavy.batching.queueing_share_of_ttft < 0.2 and heavy.batching.prefill_time_share < 0.2,
           "decoding: the requests hardly queue and the engine's time goes almost all to decoding",
           queueing=heavy.batching.queueing_share_of_ttft, prefill=heavy.batching.prefill_time_share)
+    claim(heavy.symptom == "tokens" and heavy.batching.mean_decode_batch > len(scene["decode_heavy"].inputs) / 2,
+          "decoding: the users feel slow tokens, and the decode batch holds most of the requests at once",
+          symptom=heavy.symptom, decode_batch=heavy.batching.mean_decode_batch)
+    memory, cfg, dtype = long_run.memory, lab.config, lab.dtype_name
+    claim(memory.weight_bytes == L.weight_bytes(cfg, dtype) and memory.kv_bytes_per_token == L.kv_bytes_per_token(cfg, dtype),
+          "the engine allocates exactly the ledger's weight bytes and KV bytes per token",
+          weights=memory.weight_bytes, ledger_weights=L.weight_bytes(cfg, dtype),
+          kv_per_token=memory.kv_bytes_per_token, ledger_kv_per_token=L.kv_bytes_per_token(cfg, dtype))
     claim(small.memory.requests_in_pool < len(scene["small_pool"].inputs),
           "the small pool holds fewer average requests than arrive", pool_requests=small.memory.requests_in_pool)
 
@@ -269,42 +315,52 @@ def glue_chapter(r: dict) -> None:
         f"平均端到端也从 {ms(e2e_before)} 缩短到 {ms(e2e_after)}。",
         f"平均端到端却从 {ms(e2e_before)} 变成了 {ms(e2e_after)}：同时在跑的请求多了，每一步更贵，"
         f"平均 TPOT 从 {ms(small.latency.tpot['mean'])} 涨到 {ms(fixed.latency.tpot['mean'])}。首字快了，出字却慢了。"))
-    g("wall_change_note", choose(
-        fixed.wall != small.wall,
-        f"墙也变了，从{WALL_ZH[small.wall]}变成了{WALL_ZH[fixed.wall]}：推开一堵墙，后面那堵就露出来了。",
-        f"墙却还是{WALL_ZH[fixed.wall]}：池子放大了，这批请求还是被同一样东西卡住。"))
+    moved = f"墙也变了，从{WALL_ZH[small.wall]}变成了{WALL_ZH[fixed.wall]}：推开一堵墙，后面那堵就露出来了。"
+    stayed = f"墙却还是{WALL_ZH[fixed.wall]}：池子放大了，这批请求还是被同一样东西卡住。"
+    g("wall_change_note", choose(fixed.wall != small.wall, moved, stayed))
+    g("wall_push_note", choose(fixed.wall != small.wall, moved + "服务调优就是这样一堵一堵往前推，每推一次，重新诊断一次，"
+                               "也要看用户关心的那个数到底变好了没有。", stayed))
 
     # the client's view
     view = r["client"]
-    sv = view.server_view
     g("client_symptom", SYMPTOM_ZH[view.symptom])
-    g("client_wall_note", choose(
-        view.wall == small.wall,
-        f"从客户端的记录也判得出是{WALL_ZH[small.wall]}：服务器的 KV 占用最高到了 {share(sv.peak_kv_usage)}，"
-        f"同时最多有 {sv.peak_waiting:.0f} 个请求在等。",
-        f"从客户端的记录却判不出是哪堵墙（引擎的记录说是{WALL_ZH[small.wall]}）：服务器的计数里没有抢占，"
-        "仪表的采样也没碰上 KV 用满的那一刻。"))
-    g("client_extra_ttft", ms(view.extra_ttft) if view.extra_ttft is not None else "—")
+    g("client_wall_note", client_wall_note(view, small.wall))
+    g("client_extra_sentence", client_extra_sentence(view))
+
+
+def scale_note(scene: dict, gpu: dict) -> str:
+    """Whether the lab ran the scenarios at the GPU's lengths (``gpu``: ``scenarios(on_gpu=True)``)
+    or scaled down, as one whole sentence."""
+    long_run, heavy = scene["long_prompts"], scene["decode_heavy"]
+    if long_run == gpu["long_prompts"] and heavy == gpu["decode_heavy"]:
+        return "请求的长度和个数都按 GPU 上的原样。"
+    scale = gpu["long_prompts"].inputs[0] // long_run.inputs[0]
+    return (f"这是 CPU，请求和输出的长度都缩小到 GPU 上的 1/{scale}，“解码为主”的请求也从 "
+            f"{len(gpu['decode_heavy'].inputs)} 个减到 {len(heavy.inputs)} 个。")
 
 
 def ceiling_note(prefill, decode, source: str) -> str:
     """Whether the prompt steps' MFU (``prefill``, a ``Batching``) and the decode steps' MBU
     (``decode``) stay under 100%, as one whole sentence; one above it names, in numbers, the ceiling
-    (taken from ``source``, e.g. 本机机器画像) that was too low for that operation."""
+    (taken from ``source``, e.g. 本机机器画像) that was too low for that operation. Each ends with
+    the lead-in to the page's list of what the ledger leaves out, worded for the utilizations it has."""
     mfu_over, mbu_over = bool(prefill.mfu and prefill.mfu > 1), bool(decode.mbu and decode.mbu > 1)
     flops, peak = f"{(prefill.prefill_flops_per_s or 0) / 1e9:,.1f}", f"{(prefill.peak_flops or 0) / 1e9:,.1f}"
     read, bandwidth = f"{(decode.decode_bytes_per_s or 0) / 1e9:,.1f}", f"{(decode.bandwidth or 0) / 1e9:,.1f}"
     if mfu_over and mbu_over:
         return (f"两个利用率都超过了 100%：算 prompt 的步实际达到 {flops} GFLOP/s，高于上限 {peak} GFLOP/s；"
                 f"纯解码的步实际读了 {read} GB/s，高于上限 {bandwidth} GB/s。{source}里的两个上限对这两种运算都偏低，"
-                "不是引擎超常发挥；这时的利用率只能看相对高低。")
+                "不是引擎超常发挥；这时的利用率只能看相对高低。即便如此，每一步的时间里仍有账本没算进去的部分，"
+                "前面几章逐项量过：")
     if mfu_over:
         return (f"MFU 超过了 100%：算 prompt 的步实际达到 {flops} GFLOP/s，高于上限 {peak} GFLOP/s。"
-                f"{source}里的矩阵乘速率对这种运算偏低，不是引擎超常发挥；这时的 MFU 只能看相对高低。")
+                f"{source}里的矩阵乘速率对这种运算偏低，不是引擎超常发挥；这时的 MFU 只能看相对高低。"
+                "MBU 离 100% 的差距来自几处，前面几章逐项量过：")
     if mbu_over:
         return (f"MBU 超过了 100%：纯解码的步实际读了 {read} GB/s，高于上限 {bandwidth} GB/s。"
-                f"{source}里的带宽对这种读法偏低，不是引擎超常发挥；这时的 MBU 只能看相对高低。")
-    return "两个利用率都在 100% 之下。"
+                f"{source}里的带宽对这种读法偏低，不是引擎超常发挥；这时的 MBU 只能看相对高低。"
+                "MFU 离 100% 的差距来自几处，前面几章逐项量过：")
+    return "两个利用率都在 100% 之下。差距来自几处，前面几章逐项量过："
 
 
 # --- The page ------------------------------------------------------------------------------------
