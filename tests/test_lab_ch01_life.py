@@ -187,3 +187,29 @@ def test_a_measurement_under_its_floor_is_explained_in_numbers():
     why = kit.floor_sentence(floor, 4.0, profile)
     assert why.startswith("这一步实际跑出 50.0 GFLOP/s，高于机器画像里的矩阵乘速率 40.0 GFLOP/s")
     assert "负载 5.7" in why and why.endswith("并不成立。")
+
+
+@pytest.mark.parametrize("top, attainment, says", [(0.13, 0.31, "大多数用户都嫌它慢"), (0.08, 0.75, "仍然过半"),
+                                                   (0.058, 0.9, "没有变长")])
+def test_the_tpot_sentence_draws_its_conclusion_from_the_slo(top, attainment, says):
+    words = kit.tpot_words(0.06, top, attainment, 0.004, 0.005)
+    assert says in words and words.endswith("。")
+    assert sum(s in words for s in ("大多数用户都嫌它慢", "仍然过半", "没有变长")) == 1
+    if top > 0.06:
+        assert f"是一个人时的 {top / 0.06:.1f} 倍" in words
+    else:
+        assert "4.0 ms 涨到 5.0 ms" in words
+
+
+@pytest.mark.parametrize("step_ratio, says", [(2.6, "远多于"), (1.1, "远小于"), (1.6, "相去不远")])
+def test_the_slow_step_sentence_has_three_bands(step_ratio, says):
+    words = kit.slow_words(step_ratio, 1.69, 3.9)
+    assert says in words and "1.69 倍" in words and words.endswith("。")
+    assert sum(s in words for s in ("远多于", "远小于", "相去不远")) == 1
+    assert ("3.9 倍" in words) == (says == "远小于")
+
+
+def test_the_after_contract_sentence_stands_alone():
+    down, flat = kit.after_words(8.8, 5.4), kit.after_words(5.0, 5.4)
+    assert down.startswith("合同后面的问题不再等前面的人写完") and "8.8 s 降到 5.4 s" in down
+    assert "并没有因此降下来（5.0 s → 5.4 s）" in flat and "不再等" not in flat

@@ -110,3 +110,18 @@ def test_real_cards_report_less_than_24_gib(numbers):
     assert rows[0][0] == "账本：24 GiB" and rows[0][3] == "58,347"
     assert all(int(r[3].replace(",", "")) < 58_347 for r in rows[1:])
     assert numbers["rtx4090_tokens"] == rows[1][3]
+
+
+def test_the_crossover_sentence_follows_the_batch():
+    crossed = kit.cross_words("smollm2-135m", "float32", 9)
+    assert crossed.startswith("在这台机器上，“解码受带宽限制”并不总成立") and "从 B = 9 起就落到算力一侧" in crossed
+    never = kit.cross_words("llama-3.1-8b", "bf16", None)
+    assert never.startswith("在这台机器上，“解码受带宽限制”一直成立") and "None" not in never
+    assert crossed.endswith("。") and never.endswith("。")
+
+
+@pytest.mark.parametrize("ridge, band", [(3.4, "还低一个数量级以上"), (60.0, "还低："), (150.0, "这不低于")])
+def test_the_ridge_sentence_picks_its_band(ridge, band):
+    words = kit.ridge_words(ridge, 100.0)
+    assert band in words and "（100）" in words and words.endswith("。")
+    assert sum(b in words for b in ("还低一个数量级以上", "还低：", "这不低于")) == 1

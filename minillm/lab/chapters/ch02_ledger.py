@@ -336,6 +336,27 @@ def show_comparison(lab, counted: dict[str, int]) -> None:
     ])
 
 
+def cross_words(model: str, dtype: str, cross_b: int | None) -> str:
+    """Whether decode stays bandwidth-bound on this machine, in a whole sentence: ``cross_b`` is
+    the first compute-bound batch (None: none is)."""
+    return choose(
+        cross_b is not None,
+        f"在这台机器上，“解码受带宽限制”并不总成立：{model}（{dtype}）的解码从 B = {cross_b} 起就落到算力一侧，"
+        "批再大，一步的时间就由 F/P 决定，不再由读了多少字节决定。",
+        f"在这台机器上，“解码受带宽限制”一直成立：{model}（{dtype}）的解码无论批多大都落在带宽一侧，"
+        "KV 的读取让强度停在脊点之下。")
+
+
+def ridge_words(ridge: float, lowest: float) -> str:
+    """This machine's ridge against ``lowest``, the lowest of the spec table, in a whole sentence:
+    an order of magnitude below it, below it, or not below it."""
+    card = f"规格表里脊点最低的卡（{lowest:,.0f}）"
+    return choose(ridge < lowest / 10,
+                  f"这比{card}还低一个数量级以上：同样的强度，在这台机器上早得多就落到算力一侧。",
+                  choose(ridge < lowest, f"这比{card}还低：同样的强度，在这台机器上更早落到算力一侧。",
+                         f"这不低于{card}：同样的强度，在这台机器上不会比在那张卡上更早落到算力一侧。"))
+
+
 def glue_chapter(lab, counted: dict[str, int], ctx: int) -> dict[str, str]:
     """What the chapter page quotes from this lab, glued (and returned)."""
     from minillm.lab.notebook import g_all, profile_words
@@ -355,13 +376,6 @@ def glue_chapter(lab, counted: dict[str, int], ctx: int) -> dict[str, str]:
          "decode_1_intensity": f"{L.decode_step(cfg, 1, ctx, W, dtype).floor(P).intensity:.2f}"}
     v["cross_cell"] = choose(cross_b is not None, f"{cfg.name} 的解码从 B = {cross_b} 起就受算力限制",
                              f"{cfg.name} 的解码不论批多大都受带宽限制")
-    v["cross_words"] = choose(
-        cross_b is not None,
-        f"这台机器上，{cfg.name}（{dtype}）的解码从 B = {cross_b} 起就落到算力一侧：批再大，一步的时间就由 F/P 决定，"
-        "不再由读了多少字节决定。",
-        f"这台机器上，{cfg.name}（{dtype}）的解码无论批多大都落在带宽一侧：KV 的读取让强度停在脊点之下。")
-    v["ridge_words"] = choose(
-        profile.ridge_point < min_gpu,
-        f"比规格表里脊点最低的卡（{min_gpu:,.0f}）还低得多：同样的模型，在这台机器上早早就变成算力受限。",
-        f"和规格表里的 GPU（最低 {min_gpu:,.0f}）在同一个量级。")
+    v["cross_words"] = cross_words(cfg.name, dtype, cross_b)
+    v["ridge_words"] = ridge_words(profile.ridge_point, min_gpu)
     return g_all(v)
