@@ -19,10 +19,9 @@ CARD, CONTEXTS = "24GiB", (4096, 8192)
 EXAMPLE_PRICE_PER_HOUR = 2.00  # US$ per GPU-hour: a round example, not any provider's quote
 SLO_STEP_SECONDS = 0.05  # every request gets a token at least every 50 ms (20 tok/s each)
 
-# Published anchors (quoted, not measured here)
-GPT_FAST_URL = "https://github.com/pytorch-labs/gpt-fast#benchmarks"
+# Published anchors (quoted, not measured here; the page links their sources): gpt-fast's README
+# benchmarks and Marlin's
 GPT_FAST = {None: (104.9, 1397.31), "int8": (155.58, 1069.20), "int4": (196.80, 862.69)}  # tok/s, GB/s
-MARLIN_URL = "https://github.com/IST-DASLab/marlin#benchmarks"
 MARLIN_IDEAL, MARLIN_GROUP = 3.87, 128  # fp16 x int4 on an A10, near ideal up to batch 16-32
 
 
