@@ -124,12 +124,29 @@ def test_speed_rows_share_the_run_s_one_baseline():
 
 
 def test_speedup_sentences_are_chosen_by_the_numbers():
-    assert ch10.speedup_sentence({"speedup": 3.0, "read_ratio": 3.4}, True).startswith("实测加速接近")
-    assert ch10.speedup_sentence({"speedup": 1.2, "read_ratio": 3.4}, True).startswith("实测加速明显低于")
-    assert "更慢" in ch10.speedup_sentence({"speedup": 0.7, "read_ratio": 1.01}, True)
-    assert "解释不了" in ch10.speedup_sentence({"speedup": 1.2, "read_ratio": 1.01}, True)
-    assert "fp32 矩阵乘本身就读得慢" in ch10.speedup_sentence({"speedup": 4.5, "read_ratio": 3.7}, True)
-    assert "重测" in ch10.speedup_sentence({"speedup": 4.5, "read_ratio": 3.7}, False)
+    assert ch10.speedup_sentence({"speedup": 3.0, "read_ratio": 3.4}, True, "fp32").startswith("实测加速接近")
+    assert ch10.speedup_sentence({"speedup": 1.2, "read_ratio": 3.4}, True, "fp32").startswith("实测加速明显低于")
+    assert "更慢" in ch10.speedup_sentence({"speedup": 0.7, "read_ratio": 1.01}, True, "fp32")
+    assert "解释不了" in ch10.speedup_sentence({"speedup": 1.2, "read_ratio": 1.01}, True, "fp32")
+    assert "没有明显的加速" in ch10.speedup_sentence({"speedup": 1.0, "read_ratio": 1.01}, True, "fp32")
+    assert "fp32 矩阵乘本身就读得慢" in ch10.speedup_sentence({"speedup": 4.5, "read_ratio": 3.7}, True, "fp32")
+    assert "重测" in ch10.speedup_sentence({"speedup": 4.5, "read_ratio": 3.7}, False, "fp32")
+    assert "重测" in ch10.speedup_sentence({"speedup": 4.5, "read_ratio": 3.7}, True, "bf16")  # no fp32 baseline to blame
+
+
+def test_quality_sentence_follows_which_perplexity_rose_more():
+    assert ch10.quality_sentence(1.004, 1.001).startswith("于是字节多一倍的 int8，困惑度反而比 int4 涨得多")
+    assert ch10.quality_sentence(1.001, 1.004).startswith("可这一次量到的 int8 困惑度涨得并不比 int4 多")
+
+
+def test_linear_sentences_compare_bandwidths_and_the_baseline_dtype():
+    assert "和 int4 层相当" in ch10.lin_int8_sentence(10e9, 11e9)
+    assert "和 int4 层相当" in ch10.lin_int8_sentence(12e9, 10e9)
+    assert "远少于 int4 层" in ch10.lin_int8_sentence(7e9, 10e9)
+    assert "比 int4 层多得多" in ch10.lin_int8_sentence(13e9, 10e9)
+    assert ch10.lin_bf16_sentence(2e-3, 1e-3, "fp32") == "它比 fp32 快 2.00 倍，量化层的加速里有这一份。"
+    assert "并不比 fp32 快" in ch10.lin_bf16_sentence(1e-3, 0.95e-3, "fp32")
+    assert "基线本身就是 bf16" in ch10.lin_bf16_sentence(2e-3, 1e-3, "bf16")
 
 
 def test_the_fp8_sentence_at_the_larger_batch_follows_speed_and_bytes():

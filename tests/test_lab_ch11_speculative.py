@@ -55,16 +55,33 @@ def test_speedup_is_tau_over_the_steps_cost():
 
 def test_spec_bench_rows_quote_the_published_pairs_and_their_implied_overhead():
     rows = {r[0]: r[1:] for r in ch11.spec_bench_rows()}
-    assert rows["草稿模型"] == ["1.83×", "2.29", "25%"]  # 2.29 / 1.83 - 1
-    assert rows["提示查找（n-gram）"] == ["1.55×（摘要 2.31×）", "1.74", "12%"]
-    assert rows["EAGLE-2"][2] == "94%"
+    x, tokens, _ = ch11.SPEC_BENCH["草稿模型"]
+    assert rows["草稿模型"] == [f"{x:.2f}×", f"{tokens:.2f}", f"{tokens / x - 1:.0%}"]
+    x, tokens, summary = ch11.SPEC_BENCH["提示查找（n-gram）"]
+    assert rows["提示查找（n-gram）"][0] == f"{x:.2f}×（摘要 {summary:.2f}×）"
+    assert list(rows) == list(ch11.SPEC_BENCH)
+
+
+def tau_run(alpha, measured, drafts=10, proposed=40):
+    return {"acceptance_rate": alpha, "mean_accepted_length": measured, "num_drafts": drafts,
+            "num_draft_tokens": proposed}
 
 
 def test_tau_sentence_follows_the_numbers():
-    assert ch11.tau_sentence(3.0, 3.1).startswith("实测的每次验证产出和公式")
-    assert "成串" in ch11.tau_sentence(4.5, 3.0)
-    assert "不足 γ 个" in ch11.tau_sentence(2.0, 3.0)
-    assert ch11.accepted_length(0.0, 4) == 1 and "α = 0" in ch11.tau_sentence(1.0, ch11.accepted_length(0.0, 4))
+    formula = ch11.accepted_length(0.6, 4)
+    assert ch11.tau_sentence(tau_run(0.6, formula * 1.05)).startswith("实测的每次验证产出和公式")
+    assert "成串" in ch11.tau_sentence(tau_run(0.6, formula * 1.5))
+    assert "不足 γ 个" in ch11.tau_sentence(tau_run(0.6, formula * 0.7, proposed=30))  # 3 per verify of γ = 4
+    full = ch11.tau_sentence(tau_run(0.6, formula * 0.7, proposed=38))  # 3.8 per verify: nearly full
+    assert "一开头就断" in full and "不足" not in full
+    assert "α = 0" in ch11.tau_sentence(tau_run(0.0, 1.0))
+    assert "一次也没猜" in ch11.tau_sentence(tau_run(0.0, 1.0, drafts=0, proposed=0))
+
+
+def test_batch_sentence_says_only_whether_the_speedup_shrank():
+    small, big = {"speedup": 1.6}, {"speedup": 1.2}
+    assert ch11.batch_sentence(small, big, 8) == "批 8 时，照抄给定段落的加速比批 1 时小。"
+    assert ch11.batch_sentence(big, small, 8) == "批 8 时，照抄给定段落的加速并不比批 1 时小。"
 
 
 def test_measured_rows_compare_tau_to_the_formula():
@@ -134,6 +151,7 @@ def test_draft_rows_put_the_measured_cost_beside_the_bytes_ratio():
 def test_exercise_4_breaks_even_where_tau_pays_for_the_step():
     alpha = ch11.break_even_alpha(3, 1.2, 0.3)
     assert ch11.speedup(alpha, 3, 0.3, 1.2) >= 1 > ch11.speedup(alpha - 0.001, 3, 0.3, 1.2)
-    assert ch11.ex4_sentence(alpha) == f"接受率至少要 {alpha:.0%}，这一步才不比普通解码慢。"
+    assert ch11.break_even_sentence(alpha, "这一步") == f"接受率至少要 {alpha:.0%}，这一步才不比普通解码慢。"
     assert ch11.break_even_alpha(3, 1.6, 1.0) is None  # γ + 1 = 4 < 3 × 1.0 + 1.6
-    assert ch11.ex4_sentence(None).startswith("没有这样的接受率")
+    assert ch11.break_even_sentence(None, "验证这一步") == \
+        "没有这样的接受率：即使每个猜测都被收下，τ = γ + 1 也抵不过验证这一步的花费。"

@@ -19,10 +19,9 @@ CARD, CONTEXTS = "24GiB", (4096, 8192)
 EXAMPLE_PRICE_PER_HOUR = 2.00  # US$ per GPU-hour: a round example, not any provider's quote
 SLO_STEP_SECONDS = 0.05  # every request gets a token at least every 50 ms (20 tok/s each)
 
-# Published anchors (quoted, not measured here)
-GPT_FAST_URL = "https://github.com/pytorch-labs/gpt-fast#benchmarks"
+# Published anchors (quoted, not measured here; the page links their sources): gpt-fast's README
+# benchmarks and Marlin's
 GPT_FAST = {None: (104.9, 1397.31), "int8": (155.58, 1069.20), "int4": (196.80, 862.69)}  # tok/s, GB/s
-MARLIN_URL = "https://github.com/IST-DASLab/marlin#benchmarks"
 MARLIN_IDEAL, MARLIN_GROUP = 3.87, 128  # fp16 x int4 on an A10, near ideal up to batch 16-32
 
 
@@ -342,9 +341,10 @@ def comparison(r: dict):
     comparison_table(rows)
 
 
-def speedup_sentence(row: dict, fp32_streams_slower: bool) -> str:
+def speedup_sentence(row: dict, fp32_streams_slower: bool, dtype: str) -> str:
     """Where one measured speedup stands against the bytes decode reads, as a whole sentence;
-    ``fp32_streams_slower``: the fp32 gemv moved fewer bytes a second than the quantized layers."""
+    ``fp32_streams_slower``: the fp32 gemv moved fewer bytes a second than the quantized layers
+    (it explains a speedup past the bytes only when the baseline, ``dtype``, is fp32)."""
     if row["read_ratio"] < 1.05:
         if row["speedup"] < 0.9:
             return "这个上下文里省下的字节本来就少，把 fp8 读回来却要多做一次类型转换，实测反而更慢。"
@@ -352,7 +352,7 @@ def speedup_sentence(row: dict, fp32_streams_slower: bool) -> str:
             return "这个上下文里省下的字节本来就少，字节之比解释不了实测的这点差别。"
         return "这个上下文里省下的字节本来就少，实测也没有明显的加速。"
     if row["speedup"] > 1.1 * row["read_ratio"]:
-        if fp32_streams_slower:
+        if fp32_streams_slower and dtype == "fp32":
             return ("实测加速比解码实读字节之比还大：省下的不只是字节，基线的 fp32 矩阵乘本身就读得慢，"
                     "量化层换成 bf16 的激活，走的是更快的路径。")
         return "实测加速比解码实读字节之比还大，线性层的计时也解释不了它：这个数要在一台空闲的机器上重测。"
@@ -377,6 +377,36 @@ def fp8_big_sentence(row: dict, on_gpu: bool) -> str:
             "reference.py 的 _attend），这次转换比省下的字节更费时；GPU 上的 Triton 注意力 kernel 在每个分块里就地转换。")
 
 
+def quality_sentence(int8_ratio: float, int4_ratio: float) -> str:
+    """Whether int8's perplexity rose more than int4's (ratios to the unquantized model's), as a whole sentence."""
+    from minillm.lab.claims import choose
+
+    return choose(int8_ratio > int4_ratio,
+                  "于是字节多一倍的 int8，困惑度反而比 int4 涨得多：int4 的网格就是检查点的网格，int8 的不是。",
+                  "可这一次量到的 int8 困惑度涨得并不比 int4 多：重新舍入的误差在这段文本上没有显出来。")
+
+
+def lin_int8_sentence(int8_bandwidth: float, int4_bandwidth: float) -> str:
+    """The int8 gemv's weight bytes a second against the int4 one's (alike within 0.8–1.25), as a whole sentence."""
+    ratio = int8_bandwidth / int4_bandwidth
+    if ratio > 1.25:
+        return "int8 层每秒流过的权重字节比 int4 层多得多：int4 的 kernel 读字节读得慢，它少掉的字节没能全部兑成时间。"
+    if ratio >= 0.8:
+        return "int8 层每秒流过的权重字节和 int4 层相当：两个 kernel 读字节一样快，字节少的那个就快。"
+    return "int8 层每秒流过的权重字节远少于 int4 层：它的 kernel 读字节读得慢，少掉的字节没能全部兑成时间。"
+
+
+def lin_bf16_sentence(fp32_seconds: float, bf16_seconds: float, dtype: str) -> str:
+    """What the bf16 gemv says about the quantized layers' speedup over a ``dtype`` baseline, as a whole sentence."""
+    from minillm.lab.claims import choose
+
+    if dtype != "fp32":
+        return f"这台机器上的基线本身就是 {dtype}，整个模型的实测加速里没有“fp32 换成 bf16”的一份。"
+    return choose(bf16_seconds < 0.9 * fp32_seconds,
+                  f"它比 fp32 快 {fp32_seconds / bf16_seconds:.2f} 倍，量化层的加速里有这一份。",
+                  "这台机器上 bf16 的 F.linear 并不比 fp32 快，量化层的加速不是换精度换来的。")
+
+
 def glue_chapter(r: dict) -> None:
     """Glue what the chapter quotes from this lab."""
     from minillm.engine.units import fmt_bytes
@@ -392,6 +422,7 @@ def glue_chapter(r: dict) -> None:
     lin = {x["layer"].split("（")[0].split(" ")[0]: x for x in r["linears"]}
     fp32_slower = lin["fp32"]["bandwidth"] < min(lin["int8"]["bandwidth"], lin["int4"]["bandwidth"])
     batches = sorted({x["batch"] for x in r["speed"]})
+    claim(r["q4_exact"], "int4 (group 32) reproduces the Q4_1 checkpoint's weights exactly")
     g("lab_q4_exact", choose(r["q4_exact"], "int4（每组 32）量化再解回去，和检查点里的权重一位不差。",
                              "int4（每组 32）量化再解回去，和检查点里的权重并不完全相同。"))
     g("lab_int8_err", f"{r['int8_error']:.1e}")
@@ -408,11 +439,10 @@ def glue_chapter(r: dict) -> None:
         g(f"lab_{key}_ppl", f"{q['perplexity']:.3f}")
         g(f"lab_{key}_ppl_delta", f"{q['ratio'] - 1:+.2%}")
         g(f"lab_{key}_top1", f"{q['top1']:.1%}")
-        g(f"lab_{key}_sentence", speedup_sentence(by[(f, 1)], fp32_slower))
+        g(f"lab_{key}_sentence", speedup_sentence(by[(f, 1)], fp32_slower, dtype))
     g("lab_base_b1_ms", f"{baselines(r['speed'])[1]:,.1f} ms")
     q4, q8 = r["quality"][MEASURED[1]]["ratio"], r["quality"][MEASURED[0]]["ratio"]
-    g("lab_quality_order", choose(q8 > q4, "于是字节多一倍的 int8，困惑度反而比 int4 涨得多：int4 的网格就是检查点的网格，int8 的不是。",
-                                  "int8 的困惑度涨得不比 int4 多。"))
+    g("lab_quality_order", quality_sentence(q8, q4))
     g("lab_base_ppl", f"{r['quality'][BASELINE]['perplexity']:.3f}")
     g("lab_quality_tokens", fmt_int(r["quality"][BASELINE]["tokens"]))
     int4, int8 = by[(MEASURED[1], 1)], by[(MEASURED[0], 1)]
@@ -428,14 +458,8 @@ def glue_chapter(r: dict) -> None:
         g(f"lin_{key}_gbs", f"{lin[key]['bandwidth'] / 1e9:,.1f} GB/s")
         g(f"lin_{key}_x", f"{fp32 / lin[key]['seconds']:.2f}×")
         g(f"lin_{key}_bytes", fmt_bytes(lin[key]["bytes"]))
-    g("lin_int8_sentence", choose(
-        lin["int8"]["bandwidth"] >= 0.8 * lin["int4"]["bandwidth"],
-        "int8 层每秒流过的权重字节和 int4 层相当：两个 kernel 读字节一样快，字节少的那个就快。",
-        "int8 层每秒流过的权重字节远少于 int4 层：它的 kernel 读字节读得慢，少掉的字节没能全部兑成时间。"))
-    g("lin_bf16_sentence", choose(
-        lin["bf16"]["seconds"] < 0.9 * fp32,
-        f"它比 fp32 快 {fp32 / lin['bf16']['seconds']:.2f} 倍，量化层的加速里有这一份。",
-        "这台机器上 bf16 的 F.linear 并不比 fp32 快，量化层的加速不是换精度换来的。"))
+    g("lin_int8_sentence", lin_int8_sentence(lin["int8"]["bandwidth"], lin["int4"]["bandwidth"]))
+    g("lin_bf16_sentence", lin_bf16_sentence(fp32, lin["bf16"]["seconds"], dtype))
     g("lab_fp8_big", fp8_big_sentence(by[(MEASURED[2], batches[-1])], lab.on_gpu))
     g("lab_price", f"{r['price_per_hour']:.2f}")
     for key, f in (("base", BASELINE), ("int4", MEASURED[1])):
