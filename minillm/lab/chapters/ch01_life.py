@@ -815,7 +815,7 @@ def slow_words(step_ratio: float, floor_ratio: float, alone_times: float) -> str
     return choose(
         step_ratio > 1.5 * floor_ratio,
         f"实测的一步却慢了 {step_ratio:.1f} 倍，远多于账本说的 {floor_ratio:.2f} 倍：多出来的时间不在搬字节，"
-        "而在注意力的实现怎样读 KV（本机走的是 PyTorch 的参考实现，按块表把每个请求的 K、V 先拼出来再算），"
+        "而在注意力的实现怎样读 KV（CPU 上走的是 PyTorch 的参考实现，按块表把每个请求的 K、V 先拼出来再算），"
         "这笔开销账本不数。",
         choose(step_ratio < floor_ratio / 1.5,
                f"实测的两步之比却只有 {step_ratio:.1f}，远小于账本说的 {floor_ratio:.2f} 倍：两种步里都有一笔和读多少字节"
@@ -865,8 +865,7 @@ def _crowd_values(crowd: dict[str, Run], index: int) -> dict[str, str]:
         chunk["before"] > nochunk["before"],
         f"分块也有代价：合同前面的问题要和一块块合同挤在同一步里，它们的平均 TTFT 从 {seconds_words(nochunk['before'])} "
         f"变成了 {seconds_words(chunk['before'])}。",
-        f"合同前面的问题这次没有变慢（{seconds_words(nochunk['before'])} → {seconds_words(chunk['before'])}），"
-        "它们付出的代价落在出字间隔上：之后的每一步都和一块合同挤在一起。")
+        f"合同前面的问题这次的平均 TTFT 没有变长（{seconds_words(nochunk['before'])} → {seconds_words(chunk['before'])}）。")
     return v
 
 
