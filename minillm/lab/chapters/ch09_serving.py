@@ -42,14 +42,17 @@ class Scene:
 
     @property
     def colleagues(self):
-        """The twenty colleagues (``loadgen``'s workload), the contract among them."""
-        return self.warm_up(seed=0)
+        """The twenty colleagues, the contract among them: the timed runs' workload."""
+        return self.workload(seed=0)
 
     def warm_up(self, seed: int = 1):
-        """The scene with other prompts (``seed``): an untimed first run (allocations, no prefix hits).
-        The others arrive at once, the contract ``contract_lag`` later: on the same instant the
-        order in which twenty connections reach the server is a race, and a contract that came in
-        first would stall no one."""
+        """The same scene with other prompts: an untimed first run (allocations, no prefix hits)."""
+        return self.workload(seed)
+
+    def workload(self, seed: int):
+        """``loadgen``'s twenty colleagues with prompts drawn from ``seed``. The others arrive at once,
+        the contract ``contract_lag`` later: on the same instant the order in which twenty
+        connections reach the server is a race, and a contract that came in first would stall no one."""
         from dataclasses import replace
 
         from minillm.lab.loadgen import serving_workload
