@@ -9,12 +9,19 @@ bash scripts/setup.sh
 export MINILLM_STRICT_CLAIMS=1
 # Kernels draw with the inline backend whatever MPLBACKEND the shell has (Agg would draw nothing);
 # scripts/test.sh builds the same way, so the execution cache either fills has every figure.
-build() { MPLBACKEND=module://matplotlib_inline.backend_inline .venv/bin/jupyter-book build . -W --keep-going; }
-# After a change to the package the pages import (or to its data), start from an empty execution
-# cache, so that no page shows outputs of the old code (scripts/fingerprint.sh).
+export MPLBACKEND=module://matplotlib_inline.backend_inline
+# Every lab runs once, before the pages: a page shows the tables and figures its lab saved
+# (_build/results/). A lab whose source is cached is not run again; the pages always are (--all),
+# so they show the results of the labs as they now stand.
+build() {
+  .venv/bin/python scripts/cache_labs.py --run
+  .venv/bin/jupyter-book build . -W --keep-going --all
+}
+# After a change to the package the labs import (or to its data), start from an empty execution
+# cache and no saved results, so that no page shows outputs of the old code (scripts/fingerprint.sh).
 fingerprint=$(bash scripts/fingerprint.sh)
 if [ "$(cat _build/.code_fingerprint 2>/dev/null)" != "$fingerprint" ]; then
-  rm -rf _build/.jupyter_cache
+  rm -rf _build/.jupyter_cache _build/results
 fi
 mkdir -p _build
 build

@@ -4,7 +4,7 @@ scripts/test.sh runs this file after it has built the book; anywhere else, with 
 test here skips and says so. What it checks, on every chapter page and lab:
 
 - figures: the page shows at least as many figures as its code draws. The rule for "draws": a code
-  cell draws one figure per ``plt.show()`` it runs, and a cell tagged ``remove-output`` or
+  cell draws one figure per ``plt.show()`` (or ``show_figure(...)`` of a figure its lab kept) it runs, and a cell tagged ``remove-output`` or
   ``remove-cell`` shows none of them. That is exact for this book because every figure is shown by
   one ``plt.show()`` at the top level of a cell (none in a loop or a function), drawn there or by a
   function of the lab kit; ``test_figure_rule_is_exact`` fails when a page breaks that pattern, so
@@ -105,6 +105,12 @@ def _is_plt_call(node: ast.AST, names: tuple[str, ...]) -> bool:
 FIGURE_MAKERS = ("subplots", "figure", "subplot_mosaic")
 
 
+def _is_saved_figure(node: ast.AST) -> bool:
+    """A page showing a figure its lab kept: ``lab.show_figure("name")`` (minillm.lab.results)."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "show_figure")
+
+
 def _cell_code(code: str) -> str:
     """The cell's Python, with IPython magics and shell lines blanked out."""
     return "\n".join("" if line.lstrip().startswith(("%", "!")) else line
@@ -120,7 +126,7 @@ def cell_figures(code: str) -> tuple[int, list[str]]:
 
     def visit(node: ast.AST, inside: bool) -> None:
         nonlocal shows, makers
-        if _is_plt_call(node, ("show",)):
+        if _is_plt_call(node, ("show",)) or _is_saved_figure(node):
             shows += 1
             if inside:
                 problems.append(f"plt.show() at line {node.lineno} is inside a loop, function or branch")
@@ -572,3 +578,38 @@ def test_pages_speak_chinese(source: Path) -> None:
     assert not hints, f"{_id(source)}: English toggle hints {hints}"
     runs = ENGLISH_RUN.findall(" ".join(p.output_text))
     assert not runs, f"{_id(source)}: English in cell outputs (mark quoted model answers lang=\"en\"): {runs[:5]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Claims: the build checked every sentence of book/claims.yml against its lab's results
+
+RESULTS = ROOT / "_build" / "results"
+
+
+def test_every_claim_holds_on_this_builds_results(monkeypatch) -> None:
+    from minillm.lab import claims
+
+    monkeypatch.setenv(claims.STRICT, "1")
+    labs = sorted({c.lab for c in claims.load_claims()})
+    missing = [lab for lab in labs if not (RESULTS / f"{lab}.json").is_file()]
+    assert not missing, f"claims for labs that saved no results in this build: {missing}"
+    for lab in labs:
+        values = json.loads((RESULTS / f"{lab}.json").read_text(encoding="utf-8"))["values"]
+        assert all(ok for _, ok in claims.check(lab, values))
+
+
+def test_a_flipped_result_fails_the_builds_check(monkeypatch, capsys) -> None:
+    """Chapter 4 says B = 1 decode is bandwidth-bound on the machine that built the book: made
+    compute-bound, the same check that runs in the build fails, naming the claim; in a reader's own
+    run (not strict) it prints a note and the lab goes on."""
+    from minillm.lab import claims, results
+
+    loaded = results.load("ch04-decode", RESULTS)
+    flipped = json.loads(json.dumps(loaded.values))
+    flipped["steps"][0]["bound"] = "compute"
+    monkeypatch.setenv(claims.STRICT, "1")
+    with pytest.raises(claims.ClaimError, match="b1-bandwidth-bound"):
+        claims.check("ch04-decode", flipped)
+    monkeypatch.delenv(claims.STRICT)
+    verdicts = dict((c.id, ok) for c, ok in claims.check("ch04-decode", flipped))
+    assert verdicts["b1-bandwidth-bound"] is False and "不支持" in capsys.readouterr().out

@@ -4,6 +4,7 @@ import json
 import pytest
 
 from minillm.engine.config import ModelConfig, load_config
+from minillm.lab import estimate as L
 from minillm.lab.estimate import (GB, GiB, KiB, attention_flops_per_token, decode_step, fmt_int,
                               kv_bytes, kv_bytes_per_token, matmul_flops_per_token,
                               matmul_param_count, memory_budget, paged_waste_tokens, param_count,
@@ -178,3 +179,59 @@ def test_config_rejects_sliding_window_attention():
     with pytest.raises(ValueError, match="sliding-window"):
         ModelConfig.from_dict(hf)
     assert ModelConfig.from_dict({**hf, "sliding_window": None}).num_kv_heads == 2
+
+
+def test_decode_stays_bandwidth_bound_on_the_h100_at_long_context(llama8b):
+    """Chapter 解码: however large the batch, 8B decode at c = 1024 or 8192 stays under the H100's
+    ridge, and from about 393 tokens of context on no batch crosses it."""
+    from minillm.lab.gpus import lookup_gpu
+
+    ridge = lookup_gpu("H100 SXM").ridge_point
+    assert [round(L.decode_intensity_limit(llama8b, c)) for c in (1024, 8192)] == [116, 18]
+    c = L.decode_always_bandwidth_bound_from(llama8b, ridge)
+    assert round(c) == 393
+    assert L.decode_intensity_limit(llama8b, int(c) + 1) < ridge < L.decode_intensity_limit(llama8b, int(c) - 1)
+    assert L.decode_step(llama8b, 4096, 1024, 3.35e12).floor(lookup_gpu("H100 SXM").bf16_flops).bound == "memory"
+
+
+def test_the_decode_chapter_reads_its_card_table_right(llama8b):
+    """What chapter 解码 says of its card table at c = 1024: a 24 GiB card at its largest batch takes
+    about half as long again as at B = 1 for dozens of times the throughput; the 80 GiB and larger
+    cards hold hundreds of requests, and KV is most of their step's bytes; every floor is M/W."""
+    from minillm.lab.gpus import lookup_gpu
+
+    def at(spec, batch):
+        return decode_step(llama8b, batch, 1024, spec.bandwidth)
+
+    def largest(spec):
+        return memory_budget(llama8b, spec.memory_bytes, 0.92).concurrent_requests(1024)
+
+    rtx = lookup_gpu("RTX 4090")
+    b = largest(rtx)
+    assert b == 56 and round(at(rtx, b).time_floor / at(rtx, 1).time_floor, 2) == 1.46
+    assert 20 < (b / at(rtx, b).time_floor) / (1 / at(rtx, 1).time_floor) < 100
+    for name in ("A100 80GB SXM", "H100 SXM", "H200"):
+        spec = lookup_gpu(name)
+        step = at(spec, largest(spec))
+        assert largest(spec) >= 200 and step.kv_read_bytes / step.bytes > 0.5
+    for name in ("A100 80GB SXM", "H100 SXM", "H200", "RTX 4090", "A10", "L4"):
+        spec = lookup_gpu(name)
+        for batch in (1, largest(spec)):
+            assert at(spec, batch).floor(spec.bf16_flops).bound == "memory"
+
+
+def test_the_decode_chapter_exercises(llama8b):
+    """Chapter 解码, exercises 1-3: at 4K on the H100 memory binds before a 30 ms TPOT does; without
+    GQA KV is most of a B = 32 step and reads at 1 FLOP/byte; fp8 weights nearly halve a B = 1 step
+    and help a B = 64 step a little."""
+    from minillm.lab.gpus import lookup_gpu
+
+    h100 = lookup_gpu("H100 SXM")
+    b_bw = int((0.030 * h100.bandwidth - weight_bytes(llama8b)) // kv_bytes(llama8b, 4096))
+    b_mem = memory_budget(llama8b, h100.memory_bytes, 0.92).concurrent_requests(4096)
+    assert (b_bw, b_mem) == (157, 117)
+    mha = decode_step(llama8b.replace(num_kv_heads=32), 32, 4096, h100.bandwidth)
+    assert mha.kv_read_bytes / mha.bytes > 0.75 and mha.kv_intensity == 1
+    speedup = [decode_step(llama8b, b, 4096, h100.bandwidth).time_floor /
+               decode_step(llama8b, b, 4096, h100.bandwidth, dtype="fp8", kv_dtype="bf16").time_floor for b in (1, 64)]
+    assert [round(s, 2) for s in speedup] == [1.94, 1.19]

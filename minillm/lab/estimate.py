@@ -386,6 +386,20 @@ def decode_step(cfg: ModelConfig, batch: int, ctx: int, bandwidth: float, dtype=
                           experts_touched(cfg, batch))
 
 
+def decode_intensity_limit(cfg: ModelConfig, ctx: int) -> float:
+    """A decode step's FLOP per byte as the batch grows without bound at context ``ctx``: the
+    weights are read once for the whole batch and no longer count, each request's FLOPs over its
+    own KV bytes (bf16) remain (chapter 解码)."""
+    return (matmul_flops_per_token(cfg) + attention_flops_per_token(cfg, ctx)) / kv_bytes(cfg, ctx)
+
+
+def decode_always_bandwidth_bound_from(cfg: ModelConfig, ridge: float) -> float:
+    """The context above which no batch makes a decode step compute-bound on a device whose ridge
+    point is ``ridge`` FLOP/byte: where :func:`decode_intensity_limit` falls to the ridge."""
+    kv = kv_bytes_per_token(cfg)
+    return matmul_flops_per_token(cfg) / kv / (ridge - attention_flops_per_token(cfg, 1) / kv)
+
+
 # --- Memory budget ----------------------------------------------------------------------------
 
 def memory_budget(cfg: ModelConfig, gpu_memory, utilization: float = 0.92, dtype="bf16",

@@ -37,6 +37,7 @@ from minillm.lab.hardware import describe_device, measure_seconds
 from minillm.lab.machine_profile import CPU_THREADS, MachineProfile, machine_profile
 from minillm.lab.records import BenchRecord
 from minillm.lab.report import NOT_RECORDED
+from minillm.lab.results import Results
 
 GPU_MODEL = "llama-3.1-8b"
 CPU_MODEL = "tiny"
@@ -54,6 +55,7 @@ class Lab:
     config: ModelConfig
     model: Transformer | None  # None when setup(load=False)
     weights: str = "random"  # "auto" (the checkpoint's) or "random"
+    results: Results | None = field(default=None, repr=False)  # what the page quotes (setup(name))
     _text_model: Transformer | None = field(default=None, repr=False)
 
     @property
@@ -110,14 +112,48 @@ class Lab:
         """The thread policy in words, for the lab's header and the book's text."""
         return "GPU" if self.on_gpu else f"{torch.get_num_threads()} 个 CPU 线程"
 
+    def pick(self, cpu, gpu):
+        """The lab's size of an experiment: ``gpu`` on a GPU, ``cpu`` on the CPU."""
+        return gpu if self.on_gpu else cpu
+
+    def fits(self, nbytes: float) -> bool:
+        """Whether the device has ``nbytes`` free for an experiment (always True on the CPU)."""
+        return enough_gpu_memory(self.device, nbytes)
+
+    # The results the chapter page quotes (minillm.lab.results) and the claims on them.
+    def table(self, name: str, header: list[str], rows: list[list]) -> None:
+        """Show a table and keep it for the page."""
+        self.results.add_table(name, header, rows)
+
+    def figure(self, name: str, fig) -> None:
+        """Keep the figure for the page (call before ``plt.show()``)."""
+        self.results.add_figure(name, fig)
+
+    def record(self, **values) -> None:
+        """Keep raw values for the claims of ``book/claims.yml``."""
+        self.results.record(**values)
+
+    def finish(self) -> None:
+        """Save the results for the page and check the book's claims on them: a table of each
+        sentence the book writes about this lab, and whether this machine bears it out."""
+        from minillm.lab.claims import check
+        from minillm.lab.report import show_table
+
+        path = self.results.save(device=self.device_name, threads=self.threads, model=self.config.name,
+                                 dtype=self.dtype_name, weights=self.weights)
+        verdicts = check(self.results.lab, self.results.values)
+        show_table(["书里的说法", "本机是否成立"], [[c.sentence, "成立" if ok else "不成立"] for c, ok in verdicts])
+        print(f"结果已存入 {path}，本章正文引用它。")
+
     def __str__(self) -> str:
         weights = "真实权重" if self.real_weights else "随机权重"
         return (f"设备：{self.device_name}（{self.device.type}，{self.threads}）；模型："
                 f"{self.config.name}（{self.dtype_name}，{weights}）")
 
 
-def setup(cpu_model: str = CPU_MODEL, load: bool = True) -> Lab:
-    """Apply the policy above; load the model unless ``load=False``. ``cpu_model``: the lab's
+def setup(name: str | None = None, cpu_model: str = CPU_MODEL, load: bool = True) -> Lab:
+    """Apply the policy above; load the model unless ``load=False``. ``name``: the lab's file name
+    (``"ch04-decode"``), under which its results are kept for the page; ``cpu_model``: the lab's
     model on the CPU (``TEXT_MODEL`` where what the model says matters)."""
     from minillm.lab.plotting import use_book_style
 
@@ -131,7 +167,8 @@ def setup(cpu_model: str = CPU_MODEL, load: bool = True) -> Lab:
     weights = checkpoint_weights(model_name)
     model = load_model(model_name, device=device, dtype=dtype, weights=weights) if load else None
     config = model.config if model is not None else load_config(model_name)
-    return Lab(device, model_name, dtype, describe_device(device).name, config, model, weights)
+    return Lab(device, model_name, dtype, describe_device(device).name, config, model, weights,
+               Results(name) if name else None)
 
 
 # --- Shared helpers ------------------------------------------------------------------------------
