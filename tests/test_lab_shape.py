@@ -41,8 +41,6 @@ NOT_YET = {
     "ch09-serving",
     "ch10-quantization",
     "ch11-speculative",
-    "ch12-moe",
-    "ch13-parallel",
     "ch14-diagnose",
 }
 

@@ -158,6 +158,15 @@ def weight_bytes_read(cfg: ModelConfig, batch: int, dtype="bf16", quantization: 
             - cfg.num_layers * idle * expert_bytes(cfg, dtype, quantization, group_size))
 
 
+def decode_read_bytes(cfg: ModelConfig, dtype: str = "bf16", quantization: str | None = None, group_size: int = 32) -> int:
+    """Weight bytes a decode step really reads: the ledger's ``weight_bytes`` less the embedding
+    table, which a step only looks rows up in, unless the output layer is that same table (tied
+    and unquantized)."""
+    table = param_breakdown(cfg)["embedding"] * dtype_bytes(dtype)
+    tied_and_read = cfg.tie_word_embeddings and quantization is None
+    return weight_bytes(cfg, dtype, quantization, group_size) - (0 if tied_and_read else table)
+
+
 # --- FLOPs ------------------------------------------------------------------------------------
 
 def matmul_flops_per_token(cfg: ModelConfig) -> int:
