@@ -235,3 +235,89 @@ def test_the_decode_chapter_exercises(llama8b):
     speedup = [decode_step(llama8b, b, 4096, h100.bandwidth).time_floor /
                decode_step(llama8b, b, 4096, h100.bandwidth, dtype="fp8", kv_dtype="bf16").time_floor for b in (1, 64)]
     assert [round(s, 2) for s in speedup] == [1.94, 1.19]
+
+
+# --- What chapter 为什么服务大模型难 says of its ledger --------------------------------------------
+
+def test_the_ledger_chapter_on_attention_and_prefill(llama8b):
+    """Attention is a fifth of a token's FLOPs at 8K, half at 32K, and equals the linear layers at
+    about 28.6K; the engine's prefill count sits a few percent under the rule of thumb, above every
+    card's ridge, and from 480 prompt tokens on prefill is compute-bound on every card."""
+    from minillm.lab.gpus import gpu_specs
+
+    linear = matmul_flops_per_token(llama8b)
+    share = {c: attention_flops_per_token(llama8b, c) / (attention_flops_per_token(llama8b, c) + linear)
+             for c in (8192, 32768)}
+    assert (f"{share[8192]:.1%}", f"{share[32768]:.1%}") == ("22.2%", "53.4%")
+    cross = linear / attention_flops_per_token(llama8b, 1)
+    assert round(cross) == 28_628 and attention_flops_per_token(llama8b, 28_629) > linear
+    specs = gpu_specs()
+    for n, engine in ((512, 447), (2048, 1818)):
+        rule = n * linear / weight_bytes(llama8b)
+        assert round(prefill(llama8b, n).intensity) == engine and 0.9 < engine / rule < 1
+        assert engine > max(s.ridge_point for s in specs)
+    n = max(L.prefill_crossover(llama8b, s.bf16_flops, s.bandwidth) for s in specs)
+    assert n == 480
+    assert all(prefill(llama8b, n).floor(s.bf16_flops, s.bandwidth).bound == "compute" for s in specs)
+    assert any(prefill(llama8b, n - 1).floor(s.bf16_flops, s.bandwidth).bound == "memory" for s in specs)
+
+
+def test_the_ledger_chapter_on_ridges_and_the_made_up_card(llama8b):
+    """The spec table's ridges run from tens to hundreds of FLOP per byte (the RTX 3090's 76 to the
+    L40S's 419); on a 1 TB/s card with the lowest of them, decode at B = 1, 16, 48 is bandwidth-bound
+    and at B = 48 KV is 29% of the bytes."""
+    from minillm.lab.gpus import gpu_specs
+
+    specs = sorted(gpu_specs(), key=lambda s: s.ridge_point)
+    assert (specs[0].name, round(specs[0].ridge_point)) == ("RTX 3090", 76)
+    assert (specs[-1].name, round(specs[-1].ridge_point)) == ("L40S", 419)
+    for batch in (1, 16, 48):
+        assert decode_step(llama8b, batch, 1024, TB_S).floor(specs[0].ridge_point * TB_S).bound == "memory"
+    step = decode_step(llama8b, 48, 1024, TB_S)
+    assert f"{step.kv_read_bytes / step.bytes:.0%}" == "29%"
+
+
+def test_the_ledger_chapter_on_the_24gib_card(llama8b):
+    """GB and GiB differ by 6.9%; pre-allocating 8K per request holds 7 requests where 1K each would
+    hold 56; real "24 GB" cards report less, the A10 (ECC) least, and lose KV room for it."""
+    from minillm.lab.vllm_logs import reported_memory
+
+    assert f"{1 - GB / GiB:.1%}" == "6.9%"
+    budget = memory_budget(llama8b, "24GiB", 0.92)
+    assert int(budget.kv_budget_bytes // kv_bytes(llama8b, 8192)) == 7 and budget.tokens // 1024 == 56
+    lost = {g: 1 - memory_budget(llama8b, reported_memory(g), 0.92).token_capacity / budget.token_capacity
+            for g in ("RTX 4090", "RTX 3090", "A10")}
+    assert all(share > 0 for share in lost.values()) and max(lost, key=lost.get) == "A10"
+    assert (f"{lost['RTX 4090']:.0%}", f"{lost['A10']:.0%}") == ("5%", "25%")
+
+
+def test_the_ledger_chapter_exercises(llama8b):
+    """1: without GQA the same leftover holds a quarter of the tokens and a real MHA model fewer
+    still; 2: on an H100 KV holds 480,399 tokens and a B = 1 step is bandwidth-bound by two orders
+    of magnitude; 3: Qwen2.5-7B's KV per token is under half Llama's, so it holds more than twice
+    the 8K requests."""
+    from minillm.lab.gpus import lookup_gpu
+
+    mha = llama8b.replace(num_kv_heads=llama8b.num_heads)
+    same = memory_budget(llama8b, "24GiB", 0.92, kv_config=mha)
+    real = memory_budget(mha, "24GiB", 0.92)
+    assert round(same.token_capacity) == 14_587 and round(real.token_capacity) == 11_515
+    h100 = lookup_gpu("H100 SXM")
+    assert memory_budget(llama8b, h100.memory_bytes, 0.92).tokens == 480_399
+    step = decode_step(llama8b, 1, 1024, h100.bandwidth).floor(h100.bf16_flops)
+    assert step.bound == "memory" and step.memory_seconds > 100 * step.compute_seconds
+    qwen = load_config("qwen2.5-7b")
+    assert kv_bytes_per_token(qwen) < kv_bytes_per_token(llama8b) / 2
+    assert (memory_budget(qwen, "24GiB", 0.92).requests_at(8192)
+            > 2 * memory_budget(llama8b, "24GiB", 0.92).requests_at(8192))
+
+
+def test_the_ledger_chapter_roofline_figure(llama8b):
+    """On the H100's roofline the 8B's decode at c = 1024 (B = 1, 16, 256) sits on the slope and its
+    prefill from n = 512 on the flat top."""
+    from minillm.lab.gpus import lookup_gpu
+
+    h100 = lookup_gpu("H100 SXM")
+    for batch in (1, 16, 256):
+        assert decode_step(llama8b, batch, 1024, h100.bandwidth).intensity < h100.ridge_point
+    assert [prefill(llama8b, n).intensity > h100.ridge_point for n in (1, 16, 512, 8192)] == [False, False, True, True]

@@ -27,7 +27,7 @@ from minillm.lab.bench_cli import add_options, report
 from minillm.lab.estimate import memory_budget
 
 
-def admitted(model, engine_args: dict, ctx: int) -> dict:
+def run_admission(model, engine_args: dict, ctx: int) -> dict:
     """Run planned + 2 requests that each hold ``ctx`` tokens of KV (a prompt in the first slot of
     its last block, decoded to the block's end) and count how many ran at once. Planned: the
     whole requests the KV blocks hold, at most ``max_num_seqs``.
@@ -105,7 +105,7 @@ def bench_plan(model_name: str = "llama-3.1-8b", device=None, dtype: str = "bf16
     results["concurrency"] = []
     for ctx in contexts:
         try:
-            results["concurrency"].append(admitted(model, engine_args, ctx))
+            results["concurrency"].append(run_admission(model, engine_args, ctx))
         except Exception as err:  # keep the plan even when a run fails (e.g. out of memory)
             traceback.print_exc()
             results["concurrency"].append({"context": ctx, "planned": profiled.concurrent_requests(ctx),
