@@ -33,8 +33,6 @@ TIMING = re.compile(r"time_\w+\(|measure_seconds\(|perf_counter\(|bench_\w+\(|\.
 NOT_YET = {
     "ch01-life",
     "ch02-ledger",
-    "ch03-prefill",
-    "ch05-kvcache",
     "ch06-memory",
     "ch07-paging",
     "ch08-scheduling",
