@@ -35,6 +35,19 @@ def test_prefill_sweep_on_tiny(fixed_probe):
         assert point["fraction_of_probed_flops"] == pytest.approx(point["achieved_flops"] / 100e9)
 
 
+def test_time_prefill_computes_the_logits_it_is_asked_for(monkeypatch):
+    """The engine's prefill computes the last row's logits; chapter 预填充's exercise every row's."""
+    from minillm.engine.loader import load_model
+
+    model = load_model("tiny", device="cpu", dtype=torch.float32, weights="random")
+    rows, compute_logits = [], model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda hidden: rows.append(len(hidden)) or compute_logits(hidden))
+    assert len(bench.time_prefill(model, 8, repeats=1)) == 1
+    assert len(bench.time_prefill(model, 8, repeats=1, every_row_logits=True)) == 1
+    calls = bench.WARMUP + 1
+    assert rows == [1] * calls + [8] * calls
+
+
 def test_decode_sweep_on_tiny(fixed_probe):
     cfg = load_config("tiny")
     results = bench.bench_decode("tiny", "cpu", "fp32", batches=[1, 3], contexts=[5, 17], steps=2)

@@ -32,8 +32,6 @@ TIMING = re.compile(r"time_\w+\(|measure_seconds\(|perf_counter\(|bench_\w+\(|\.
 # must end empty.
 NOT_YET = {
     "ch01-life",
-    "ch03-prefill",
-    "ch05-kvcache",
     "ch07-paging",
     "ch08-scheduling",
     "ch09-serving",

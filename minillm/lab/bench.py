@@ -78,8 +78,9 @@ def _measure(point: dict, time_it, device: torch.device) -> list[float] | None:
             torch.cuda.empty_cache()  # the next point starts from the same free memory
 
 
-def time_prefill(model: Transformer, n: int, repeats: int) -> list[float]:
-    """Seconds of one prefill of an ``n``-token prompt: the forward and the last token's logits."""
+def time_prefill(model: Transformer, n: int, repeats: int, every_row_logits: bool = False) -> list[float]:
+    """Seconds of one prefill of an ``n``-token prompt: the forward and the last token's logits, as
+    the engine runs it, or (``every_row_logits``) the logits of every position."""
     cache = ContiguousKVCache(model.config, 1, n, model.dtype, model.device)
     positions, attn = cache.append([0], [n])
     generator = torch.Generator(device=model.device).manual_seed(n)
@@ -87,7 +88,7 @@ def time_prefill(model: Transformer, n: int, repeats: int) -> list[float]:
 
     def step():
         hidden = model(input_ids, positions, attn, cache.layer_caches)
-        return model.compute_logits(hidden[-1:])
+        return model.compute_logits(hidden if every_row_logits else hidden[-1:])
 
     return measure_seconds(step, model.device, repeats, warmup=WARMUP)
 

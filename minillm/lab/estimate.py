@@ -267,13 +267,15 @@ def roofline_floor(flops: float, nbytes: float, peak_flops: float, bandwidth: fl
 @dataclass(frozen=True)
 class PrefillEstimate:
     """One forward over ``sequences`` prompts of ``n`` tokens in all, as the engine runs it: every
-    token through every layer, the output layer only for each sequence's last token."""
+    token through every layer, the output layer only for each sequence's last token. A chunk of a
+    prompt (:func:`prefill_chunk`) also reads back the KV of the positions before it."""
 
     n: int
     linear_flops: int
     attention_flops: int
     weight_bytes: int
     kv_write_bytes: int
+    kv_read_bytes: int = 0
 
     @property
     def flops(self) -> int:
@@ -281,11 +283,11 @@ class PrefillEstimate:
 
     @property
     def bytes(self) -> int:
-        return self.weight_bytes + self.kv_write_bytes
+        return self.weight_bytes + self.kv_write_bytes + self.kv_read_bytes
 
     @property
     def intensity(self) -> float:
-        """FLOPs per byte moved (weights read, KV written)."""
+        """FLOPs per byte moved (weights read, KV written and read back)."""
         return self.flops / self.bytes
 
     def floor(self, peak_flops: float, bandwidth: float) -> Floor:
@@ -311,6 +313,21 @@ def prefill(cfg: ModelConfig, n: int, dtype="bf16", sequences: int = 1) -> Prefi
     logits = min(sequences, n) * output_layer_flops(cfg)  # no prompt token, no logits
     return PrefillEstimate(n, layers + logits, attention,
                            weight_bytes(cfg, dtype), kv_bytes(cfg, n, dtype))
+
+
+def prefill_chunk(cfg: ModelConfig, start: int, end: int, prompt_len: int, dtype="bf16") -> PrefillEstimate:
+    """Positions [start, end) of a ``prompt_len``-token prompt whose first ``start`` positions are
+    already cached (chunked prefill, chapters 预填充 and 调度): every layer for each of its tokens,
+    causal attention to every position up to its own, the earlier positions' KV read back, and the
+    output layer only when the chunk ends the prompt (that step samples the first token)."""
+    if not 0 <= start < end <= prompt_len:
+        raise ValueError(f"need 0 <= start < end <= prompt_len, got start={start}, end={end}, "
+                         f"prompt_len={prompt_len}")
+    layers = (end - start) * (matmul_flops_per_token(cfg) - output_layer_flops(cfg))
+    logits = output_layer_flops(cfg) if end == prompt_len else 0
+    attention = prefill_attention_flops(cfg, end) - prefill_attention_flops(cfg, start)
+    return PrefillEstimate(end - start, layers + logits, attention, weight_bytes(cfg, dtype),
+                           kv_bytes(cfg, end - start, dtype), kv_bytes(cfg, start, dtype))
 
 
 def prefill_crossover(cfg: ModelConfig, peak_flops: float, bandwidth: float, dtype="bf16") -> int:

@@ -263,16 +263,6 @@ def profile_words(profile: MachineProfile) -> dict[str, str]:
     }
 
 
-def remainder(whole: float, parts: float, digits: int = 1) -> str:
-    """What is left of a timed ``whole`` once the separately timed ``parts`` are taken off, as a
-    table cell: the time, or, when the parts timed alone add up to more than the whole (timing
-    noise, caches), words that say so instead of a negative time."""
-    rest = whole - parts
-    if rest > 0:
-        return f"{rest * 1e3:,.{digits}f} ms"
-    return f"量不出（单独量的几块加起来比整体多 {-rest * 1e3:,.{digits}f} ms）"
-
-
 def last_level_cache_bytes(device: torch.device) -> int | None:
     """The largest cache ``device`` reports (the GPU's L2, the CPU's highest level); None if unknown."""
     from pathlib import Path

@@ -41,23 +41,6 @@ def floor_words(floor) -> str:
     return f"≥ {floor.seconds * 1e3:,.2f} ms（{BOUND_WORDS[floor.bound]}：{side}）"
 
 
-def linear_beat_words(measured: float, floor, flop_rate: float, read_rate: float, where: str) -> str | None:
-    """Why ``measured`` seconds beat ``floor``, in numbers, from the model's own linear layers timed
-    alone beside it (``bench.time_linear_layers``): on the compute side they reached ``flop_rate``
-    FLOP/s above the probed matmul rate, on the bandwidth side they read their weights at
-    ``read_rate`` bytes/s above the probed copy. None when the floor held, or when neither explains
-    it (then ``claims.above_floor`` fails the claim). ``where`` names the point, e.g. ``n = 256 时``."""
-    if measured >= floor.seconds:
-        return None
-    if floor.bound == "compute" and flop_rate > floor.peak_flops:
-        return (f"{where}，模型自己的线性层跑出 {flop_rate / 1e9:,.1f} GFLOP/s，"
-                f"高于方阵探测的 {floor.peak_flops / 1e9:,.1f} GFLOP/s")
-    if floor.bound == "memory" and read_rate > floor.bandwidth:
-        return (f"{where}，线性层读权重的速度 {read_rate / 1e9:,.1f} GB/s，"
-                f"高于拷贝探测的 {floor.bandwidth / 1e9:,.1f} GB/s（拷贝要读也要写，这里只读）")
-    return None
-
-
 def profile_beat_words(measured: float, floor, profile, what: str = "这一步") -> str | None:
     """Why ``measured`` seconds of ``what`` beat ``floor`` (None when they did not), in numbers: the
     rate it really reached against the machine profile's ceiling that the floor divided by, and
