@@ -38,12 +38,10 @@ NOT_YET = {
     "ch06-memory",
     "ch07-paging",
     "ch08-scheduling",
-    "ch09-serving",
     "ch10-quantization",
     "ch11-speculative",
     "ch12-moe",
     "ch13-parallel",
-    "ch14-diagnose",
 }
 
 
