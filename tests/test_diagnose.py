@@ -281,3 +281,82 @@ def test_draft_passes_start_from_each_requests_context_before_the_step():
                                         for j in range(3)))
     assert f2 - g2 == sum(ledger.matmul_flops_per_token(draft) + ledger.attention_flops_per_token(draft, 10 + j + 1)
                           for j in range(3))
+
+
+# --- The chapter's lab and page ------------------------------------------------------------------
+
+@functools.cache
+def lab_model():
+    """The lab's model on the CPU: the tiny preset, random weights."""
+    return load_model("tiny", device="cpu", dtype=torch.float32, weights="random")
+
+
+def lab_scenario(lengths, output, pool_tokens=None):
+    """A scenario of the lab at its CPU size (budget 512, blocks of 16), diagnosed."""
+    from minillm.lab.notebook import room
+
+    blocks = ledger.ceil_div(pool_tokens or room(lengths, output, 16), 16)
+    llm = LLM(lab_model(), block_size=16, num_kv_blocks=blocks, max_num_batched_tokens=512,
+              enable_prefix_caching=False)
+    make_workload("lab", lengths, [output] * len(lengths), lab_model().config.vocab_size).run(llm)
+    return diagnose(records.run_record(llm), bandwidth=1e10, peak_flops=1e11)
+
+
+def test_the_labs_scenarios_schedule_as_the_chapter_says():
+    """What the chapter's claims rest on, by the scheduler's rules alone: the long prompts wait for
+    the token budget, never for KV; four decodes run together for all their steps; twelve requests
+    in a pool of three wait for KV blocks and all finish; a pool that holds them all ends the
+    waiting and the preemptions and makes the decode batch larger."""
+    long_run = lab_scenario([2048] * 3, 4)
+    assert long_run.batching.waited_steps["token_budget"] > 0 and long_run.batching.waited_steps["kv_pool"] == 0
+    heavy = lab_scenario([32] * 4, 64)
+    assert heavy.batching.num_steps == 64 and heavy.batching.mean_decode_batch == 4
+    assert sum(heavy.batching.waited_steps.values()) == 0
+    small = lab_scenario([256] * 12, 32, 3 * (256 + 32))
+    assert small.wall == "capacity" and small.batching.waited_steps["kv_pool"] > 0
+    assert small.latency.num_aborted == 0 and small.symptom != "failure"
+    assert small.memory.kv_pool_tokens == 864 and small.memory.requests_in_pool < 12
+    roomy = lab_scenario([256] * 12, 32)
+    assert roomy.batching.waited_steps["kv_pool"] == 0 and roomy.latency.num_preemptions == 0
+    assert roomy.batching.mean_decode_batch > small.batching.mean_decode_batch
+
+
+def test_four_tiny_decodes_stay_under_a_cpus_ridge():
+    """The lab's decode-heavy scenario on the CPU: four tiny fp32 decodes do under 2 FLOP per byte,
+    thirty-two would do over 10."""
+    cfg = load_config("tiny")
+    assert ledger.decode_step(cfg, 4, 64, 1e10, "fp32").intensity < 2
+    assert ledger.decode_step(cfg, 32, 64, 1e10, "fp32").intensity > 10
+
+
+def test_the_chapters_ledger():
+    """The page: two 24 GiB cards hold 4.1 times the KV tokens of one; exercise 1, a 24 GiB card
+    holds far more than twelve small-pool requests at the GPU's lengths; exercise 2, 128 decodes at
+    context 256 stay bandwidth-bound on the H100 (a step a little longer than at B = 1, over a hundred
+    times the throughput), a batch of 907 crosses its ridge and fits in 80 GiB;
+    exercise 3, the H200 computes the long prompts no faster than the H100 but decodes faster."""
+    from minillm.lab.gpus import lookup_gpu
+
+    cfg = load_config("llama-3.1-8b")
+    one, two = (ledger.memory_budget(c, "24GiB").tokens for c in (cfg, ledger.card_config(cfg, 2)))
+    assert round(two / one, 1) == 4.1
+    assert ledger.memory_budget(cfg, "24GiB", 0.92).concurrent_requests(1024 + 128) > 2 * 12
+    h100, h200 = lookup_gpu("H100 SXM"), lookup_gpu("H200")
+
+    def decode(batch, ctx, spec):
+        return ledger.decode_step(cfg, batch, ctx, spec.bandwidth).floor(spec.bf16_flops)
+
+    cross = next(b for b in range(1, 4096) if decode(b, 256, h100).bound == "compute")
+    assert decode(128, 256, h100).bound == "memory" and cross == 907
+    b1, b128 = decode(1, 256, h100).seconds, decode(128, 256, h100).seconds
+    assert b128 / b1 < 1.3 and (128 / b128) / (1 / b1) > 100
+    assert ledger.memory_budget(cfg, h100.memory_bytes, 0.92).concurrent_requests(384) > cross
+
+    def prefill(spec):
+        return [ledger.mixed_step(cfg, 0, 1, (s, s + 2048), 8192, spec.bf16_flops, spec.bandwidth)
+                for s in range(0, 8192, 2048)]
+
+    assert all(f.bound == "compute" for f in prefill(h100) + prefill(h200))
+    assert [f.seconds for f in prefill(h200)] == [f.seconds for f in prefill(h100)]
+    assert 1.4 < h200.bandwidth / h100.bandwidth < 1.5 and h200.bf16_flops == h100.bf16_flops
+    assert decode(3, 8192, h200).seconds < decode(3, 8192, h100).seconds

@@ -34,10 +34,8 @@ NOT_YET = {
     "ch01-life",
     "ch07-paging",
     "ch08-scheduling",
-    "ch09-serving",
     "ch10-quantization",
     "ch11-speculative",
-    "ch14-diagnose",
 }
 
 
