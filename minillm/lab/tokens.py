@@ -6,7 +6,9 @@ Mistral NeMo's Tekken (``tekken_240718.json``, a byte-level BPE of 131,072 token
 transformers tokenizer (the real SmolLM2's, read from its GGUF) joins them through
 :func:`from_transformers`. The text is the book's own, in ``data/texts/``: an excerpt of a service
 contract, a question about it and the opening question of chapter 1, in Chinese and in English,
-saying the same thing. Nothing here reaches the network.
+saying the same thing, and the other questions the colleagues of chapter 1 ask (English only, as
+the real SmolLM2 is). :func:`contract_prompt` builds the book's long request from that contract.
+Nothing here reaches the network.
 """
 from __future__ import annotations
 
@@ -64,6 +66,36 @@ def sample_text(name: str) -> str:
     if name not in TEXTS:
         raise ValueError(f"no sample text {name!r} (known: {', '.join(TEXTS)})")
     return (TEXTS_DIR / f"{name}.txt").read_text(encoding="utf-8").strip()
+
+
+def colleague_questions() -> list[str]:
+    """The colleagues' questions of chapter 1, in English: the opening one (``scene_en``) first,
+    then ``data/texts/colleagues_en.txt``, one a line."""
+    others = (TEXTS_DIR / "colleagues_en.txt").read_text(encoding="utf-8").splitlines()
+    return [sample_text("scene_en"), *filter(None, others)]
+
+
+CONTRACT_INTRO = "Here is an excerpt of our service contract with Party B.\n\n"
+
+
+def contract_prompt(engine, tokens: int, question: str | None = None) -> list[int]:
+    """The book's long request as token ids of exactly ``tokens``: the English contract excerpt
+    (repeated as often as needed, cut to length) and then ``question`` (default ``question_en``),
+    through ``engine``'s tokenizer and chat template (an ``LLM`` of a model that has both)."""
+    question = sample_text("question_en") if question is None else question
+    slot = "\x00"  # where the user's message goes in the rendered template
+    template = engine.tokenizer.apply_chat_template([{"role": "user", "content": slot}], tokenize=False,
+                                                    add_generation_prompt=True)
+    before, after = template.split(slot)
+    encode = functools.partial(engine.tokenizer.encode, add_special_tokens=False)
+    head, tail = encode(before + CONTRACT_INTRO), encode("\n\n" + question + after)
+    room = tokens - len(head) - len(tail)
+    if room < 1:
+        raise ValueError(f"{tokens} tokens cannot hold the chat template and the question "
+                         f"({len(head) + len(tail)} tokens)")
+    excerpt = sample_text("contract_en")
+    copies = room // len(encode(excerpt)) + 2
+    return head + encode("\n\n".join([excerpt] * copies))[:room] + tail
 
 
 @dataclass(frozen=True)
