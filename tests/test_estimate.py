@@ -321,3 +321,49 @@ def test_the_ledger_chapter_roofline_figure(llama8b):
     for batch in (1, 16, 256):
         assert decode_step(llama8b, batch, 1024, h100.bandwidth).intensity < h100.ridge_point
     assert [prefill(llama8b, n).intensity > h100.ridge_point for n in (1, 16, 512, 8192)] == [False, False, True, True]
+
+
+def test_the_life_chapter_reads_its_ledger_right(llama8b):
+    """What chapter 一次请求的一生 says of its generic 7B (Llama-2-7B's shape, nominal 14 GB in fp16)
+    and its 8K contract: which cards hold one, eight and twenty requests; that decode is bandwidth-
+    bound on the A100, H100 and H200 and a batch of eight spreads the weights but not the KV; that
+    GQA, 32K contexts and 70B move the walls; and its exercises' shapes."""
+    from minillm.lab.gpus import gpu_specs, lookup_gpu
+
+    cfg7, weights, ctx = load_config("llama-2-7b"), 7e9 * 2, 8192
+    assert (cfg7.num_layers, cfg7.num_kv_heads, cfg7.head_dim, cfg7.max_position_embeddings) == (32, 32, 128, 4096)
+    kv = kv_bytes(cfg7, ctx, "fp16")
+    usable = {gib: lookup_gpu(name).memory_bytes * 0.92 for gib, name in ((24, "RTX 4090"), (48, "L40S"), (80, "A100 80GB SXM"))}
+    fits = {gib: int((room - weights) // kv) for gib, room in usable.items()}
+    assert weights + kv <= usable[24] and fits == {24: 2, 48: 7, 80: 15}  # eight fit 80 GiB only
+    assert 20 * kv == 80 * GiB and weights + 20 * kv > usable[80]
+    assert kv_bytes(cfg7, 32768, "fp16") == 16 * GiB and weights + 16 * GiB > usable[24]
+    assert -(-70e9 * 2 // usable[80]) == 2  # a 70B in fp16 needs two 80 GiB cards
+
+    def decode7(batch, context, spec):
+        flops = batch * (2 * 7e9 + attention_flops_per_token(cfg7, context))
+        return roofline_floor(flops, weights + batch * kv_bytes(cfg7, context, "fp16"), spec.bf16_flops, spec.bandwidth)
+
+    assert [round(lookup_gpu(n).bandwidth_gb_s) for n in ("A100 80GB SXM", "H100 SXM")] == [2039, 3350]
+    for name in ("A100 80GB SXM", "H100 SXM", "H200"):
+        spec = lookup_gpu(name)
+        alone, one, eight = decode7(1, 1, spec), decode7(1, ctx, spec), decode7(8, ctx, spec)
+        assert all(f.bound == "memory" for f in (alone, one, eight)) and alone.compute_seconds < 50e-6
+        assert 8 * kv > weights and eight.seconds > 2 * one.seconds  # eight KVs outweigh the weights
+        assert 2 < (8 / eight.seconds) / (1 / one.seconds) < 5  # "a few times" the throughput
+    h200 = lookup_gpu("H200")
+    assert decode7(8, ctx, h200).seconds / decode7(1, 1, h200).seconds > 3  # exercise 2
+    assert round(ctx * (ctx - 1) / (1024 * 1023)) == 64  # exercise 3: 8x longer, ~64x the recomputation
+    # A Chinese contract of 8K-16K tokens still prefills compute-bound on the A100
+    a100 = lookup_gpu("A100 80GB SXM")
+    assert all(prefill(cfg7, n, "fp16").floor(a100.bf16_flops, a100.bandwidth).bound == "compute" for n in (8192, 16384))
+    # GQA: a quarter of the 7B's KV per token; 29 8K requests on a 48 GiB card
+    assert llama8b.gqa_ratio == 4 and kv_bytes(llama8b, ctx) * 4 == kv
+    assert memory_budget(llama8b, lookup_gpu("L40S").memory_bytes, 0.92).concurrent_requests(ctx) == 29
+    # One long prompt against eight pieces: about 8x the attention; in the 8B's 8K prefill attention is small
+    for model in (llama8b, load_config("smollm2-135m")):
+        for n in (1024, 8192):
+            assert 7.5 < prefill(model, n).attention_flops / prefill(model, n, sequences=8).attention_flops <= 8
+    assert 0.1 < prefill(llama8b, ctx).attention_flops / prefill(llama8b, ctx).flops < 0.2  # "一成多"
+    # Sixteen users decoding short answers stay bandwidth-bound on every GPU of the table
+    assert all(decode_step(llama8b, 16, 128, s.bandwidth).floor(s.bf16_flops).bound == "memory" for s in gpu_specs())

@@ -2,11 +2,12 @@
 
 The pinned PyPI package ``mistral-common`` ships tokenizers as data files. Two of them are used
 here: Mistral-7B's SentencePiece model (``tokenizer.model.v1``, a 32,000-token vocabulary) and
-Mistral NeMo's Tekken (``tekken_240718.json``, a byte-level BPE of 131,072 tokens); any
-transformers tokenizer (the real SmolLM2's, read from its GGUF) joins them through
-:func:`from_transformers`. The text is the book's own, in ``data/texts/``: an excerpt of a service
-contract, a question about it and the opening question of chapter 1, in Chinese and in English,
-saying the same thing. Nothing here reaches the network.
+Mistral NeMo's Tekken (``tekken_240718.json``, a byte-level BPE of 131,072 tokens); the lab counts
+with them and with the real SmolLM2's own tokenizer. The text is the book's own, in
+``data/texts/``: an excerpt of a service contract, a question about it and the opening question of
+chapter 1, in Chinese and in English, saying the same thing, and the other questions the
+colleagues of chapter 1 ask (English only, as the real SmolLM2 is). :func:`contract_prompt` builds
+the book's long request from that contract. Nothing here reaches the network.
 """
 from __future__ import annotations
 
@@ -52,13 +53,6 @@ def tokenizers() -> tuple[Tokenizer, ...]:
     return tuple(out)
 
 
-def from_transformers(model: str, kind: str, tokenizer, file: str) -> Tokenizer:
-    """A transformers tokenizer (``load_model(...).tokenizer``) as a :class:`Tokenizer`; text is
-    encoded without special tokens, as the Mistral ones are."""
-    return Tokenizer(model, kind, len(tokenizer), file,
-                     functools.partial(tokenizer.encode, add_special_tokens=False))
-
-
 def sample_text(name: str) -> str:
     """The text of ``data/texts/<name>.txt`` (one of :data:`TEXTS`), without its final newline."""
     if name not in TEXTS:
@@ -66,31 +60,31 @@ def sample_text(name: str) -> str:
     return (TEXTS_DIR / f"{name}.txt").read_text(encoding="utf-8").strip()
 
 
-@dataclass(frozen=True)
-class TokenCount:
-    """How many tokens one tokenizer cuts one text into."""
-
-    text: str  # a key of TEXTS
-    tokenizer: Tokenizer
-    chars: int  # characters, spaces and punctuation included
-    tokens: int
-
-    @property
-    def tokens_per_char(self) -> float:
-        return self.tokens / self.chars
-
-    @property
-    def chars_per_token(self) -> float:
-        return self.chars / self.tokens
+def colleague_questions() -> list[str]:
+    """The colleagues' questions of chapter 1, in English: the opening one (``scene_en``) first,
+    then ``data/texts/colleagues_en.txt``, one a line."""
+    others = (TEXTS_DIR / "colleagues_en.txt").read_text(encoding="utf-8").splitlines()
+    return [sample_text("scene_en"), *filter(None, others)]
 
 
-def count_tokens(names=tuple(TEXTS), using=None) -> list[TokenCount]:
-    """Every text of ``names`` through every tokenizer of ``using`` (default :func:`tokenizers`)."""
-    using = tokenizers() if using is None else using
-    return [TokenCount(name, tok, len(sample_text(name)), len(tok.encode(sample_text(name))))
-            for name in names for tok in using]
+CONTRACT_INTRO = "Here is an excerpt of our service contract with Party B.\n\n"
 
 
-def count(counts: list[TokenCount], text: str, kind: str) -> TokenCount:
-    """The count of ``text`` by the tokenizer of ``kind`` among ``counts``."""
-    return next(c for c in counts if c.text == text and c.tokenizer.kind == kind)
+def contract_prompt(engine, tokens: int, question: str | None = None) -> list[int]:
+    """The book's long request as token ids of exactly ``tokens``: the English contract excerpt
+    (repeated as often as needed, cut to length) and then ``question`` (default ``question_en``),
+    through ``engine``'s tokenizer and chat template (an ``LLM`` of a model that has both)."""
+    question = sample_text("question_en") if question is None else question
+    slot = "\x00"  # where the user's message goes in the rendered template
+    template = engine.tokenizer.apply_chat_template([{"role": "user", "content": slot}], tokenize=False,
+                                                    add_generation_prompt=True)
+    before, after = template.split(slot)
+    encode = functools.partial(engine.tokenizer.encode, add_special_tokens=False)
+    head, tail = encode(before + CONTRACT_INTRO), encode("\n\n" + question + after)
+    room = tokens - len(head) - len(tail)
+    if room < 1:
+        raise ValueError(f"{tokens} tokens cannot hold the chat template and the question "
+                         f"({len(head) + len(tail)} tokens)")
+    excerpt = sample_text("contract_en")
+    copies = room // len(encode(excerpt)) + 2
+    return head + encode("\n\n".join([excerpt] * copies))[:room] + tail
