@@ -33,7 +33,7 @@ def test_cached_steps_read_recomputed_steps_compute():
     assert 0.9 * 8192 < again.intensity < 8192
     batch = L.decode_step(LLAMA, 16, 8192, H100.bandwidth).floor(H100.bf16_flops)
     assert round(16 * again.seconds / batch.seconds) == 215
-    assert batch.bytes - cached.bytes == 15 * L.kv_bytes(LLAMA, 8192)  # "多读的只是这 16 个请求的 KV"
+    assert batch.bytes - cached.bytes == 15 * L.kv_bytes(LLAMA, 8192)  # "比单个请求只多读其余 15 个请求的 KV"
 
 
 def batch_gap(t, batch=16):
