@@ -28,8 +28,27 @@ def test_cached_steps_read_recomputed_steps_compute():
     cached, again = next_token(LLAMA, 8192, True, H100), next_token(LLAMA, 8192, False, H100)
     assert round(again.flops / cached.flops) == 6835
     assert (round(again.seconds / cached.seconds), round(8192 / H100.ridge_point)) == (26, 28)
+    # "下界之比约是重算那一步的强度（约为 t）除以卡的脊点"
+    assert again.seconds / cached.seconds == pytest.approx(again.intensity / H100.ridge_point, rel=0.02)
+    assert 0.9 * 8192 < again.intensity < 8192
     batch = L.decode_step(LLAMA, 16, 8192, H100.bandwidth).floor(H100.bf16_flops)
     assert round(16 * again.seconds / batch.seconds) == 215
+    assert batch.bytes - cached.bytes == 15 * L.kv_bytes(LLAMA, 8192)  # "比单个请求只多读其余 15 个请求的 KV"
+
+
+def batch_gap(t, batch=16):
+    """How many times longer ``batch`` recomputes take than one cached step of the batch, at ``t``."""
+    again = next_token(LLAMA, t, False, H100)
+    return batch * again.seconds / L.decode_step(LLAMA, batch, t, H100.bandwidth).floor(H100.bf16_flops).seconds
+
+
+def test_a_batch_widens_the_gap():
+    """"t 越长差得越多"; the summary's "这批的 KV 比权重小得多时，倍数接近再乘上批大小"."""
+    gaps = [batch_gap(t) for t in (1024, 2048, 4096, 8192, 16384, 32768)]
+    assert gaps == sorted(gaps)
+    single = {t: next_token(LLAMA, t, False, H100).seconds / next_token(LLAMA, t, True, H100).seconds for t in (1024, 8192)}
+    assert batch_gap(1024) / (16 * single[1024]) > 0.85  # 16 requests' KV at 1K: an eighth of the weights
+    assert batch_gap(8192) / (16 * single[8192]) < 0.6  # at 8K as large as the weights: far from 16 times
     layers = L.matmul_flops_per_token(LLAMA) - L.output_layer_flops(LLAMA)
     assert 2 * layers / L.attention_flops_per_token(LLAMA, 1) == 53248  # attention catches up with the layers
 
@@ -45,6 +64,9 @@ def test_a_whole_generation():
     assert (round(f_cached / 1e12, 1), round(f_again / 1e15, 1), round(f_again / f_cached)) == (30.7, 22.6, 735)
     assert (round(s_cached, 2), round(s_again, 2)) == (4.98, 22.85)
     assert 2 < s_again / s_cached < 10  # "运算差几百倍，时间却只差几倍"
+    for t in (1024, 2047):  # "在这样的上下文下带 cache 的一步只贵不到三成"
+        one, sixteen = (L.decode_step(LLAMA, b, t, H100.bandwidth).floor(H100.bf16_flops).seconds for b in (1, 16))
+        assert 1 < sixteen / one < 1.3
 
 
 def test_the_seed_figures_of_the_kv():
@@ -85,3 +107,13 @@ def test_a_cache_allocates_what_the_ledger_counts():
     for cfg, dtype, device, name in ((LLAMA, torch.bfloat16, "meta", "bf16"), (smol, torch.float32, "cpu", "fp32")):
         cache = ContiguousKVCache(cfg, 1, 64, dtype, device)
         assert cache.kv.nbytes // 64 == L.kv_bytes_per_token(cfg, name)
+
+
+def test_the_measured_ratio_is_the_floor_ratio_moved_by_each_step_s_share():
+    """"实测之比正好等于下界之比乘以带 cache 那一步的“下界 ÷ 实测”、再除以重算那一步的"."""
+    from minillm.lab.floors import Timed
+
+    cached = Timed(0.012, next_token(LLAMA, 4096, True, H100))
+    again = Timed(0.1, next_token(LLAMA, 4096, False, H100))
+    floor_ratio = again.floor.seconds / cached.floor.seconds
+    assert again.seconds / cached.seconds == pytest.approx(floor_ratio * cached.share / again.share)

@@ -24,6 +24,14 @@ def test_a_short_question_reads_a_long_contract_computes():
     assert at_2048.compute_seconds > 5 * at_2048.memory_seconds
 
 
+def test_the_layers_cap_how_many_tokens_a_second_a_card_prefills():
+    """"每个 token 至少要做各层那 13.96 GFLOP，所以这张卡每秒最多预填充 70,888 个 token"."""
+    layers = L.matmul_flops_per_token(LLAMA) - L.output_layer_flops(LLAMA)
+    cap = H100.bf16_flops / layers
+    assert round(cap) == 70888
+    assert all(n / on_card(LLAMA, n, H100).seconds < cap for n in (1, 512, 8192, 131072))
+
+
 def test_the_engine_bills_the_output_layer_once():
     per_token = L.matmul_flops_per_token(LLAMA)
     assert round(512 * per_token / L.weight_bytes(LLAMA)) == 478  # the seed's rule of thumb
@@ -68,6 +76,8 @@ def test_exercise_2_the_crossover_barely_depends_on_the_model():
     cross = {name: (L.prefill_crossover(load_config(name), P, W), L.prefill_crossover(load_config(name), P, W, "fp8"))
              for name in ("qwen2.5-0.5b", "llama-3.1-8b", "qwen2.5-7b")}
     assert cross == {"qwen2.5-0.5b": (400, 202), "llama-3.1-8b": (339, 170), "qwen2.5-7b": (344, 172)}
+    for n in (1024, 8192):  # "只量化权重，预填充几乎不会变快": above the crossover fp8 weights save no time
+        assert on_card(LLAMA, n, H100, "fp8").seconds == pytest.approx(on_card(LLAMA, n, H100).seconds)
 
 
 def chunked(cfg, n, size, spec):
@@ -79,6 +89,8 @@ def test_exercise_3_small_chunks_cost_a_weight_read_each():
     whole = on_card(LLAMA, 8192, H100).seconds
     assert round(chunked(LLAMA, 8192, 64, H100) * 1e3, 1) == 634.3
     assert round(chunked(LLAMA, 8192, 64, H100) / whole, 2) == 4.76
+    weight_read = L.weight_bytes(LLAMA) / H100.bandwidth  # "时间约等于“块数 × 读一遍权重”"
+    assert 1 < chunked(LLAMA, 8192, 64, H100) / (8192 // 64 * weight_read) < 1.05
     for size in (512, 2048, 8192):  # above the crossover every chunk is compute-bound: nothing lost
         assert chunked(LLAMA, 8192, size, H100) == pytest.approx(whole)
 
