@@ -291,24 +291,33 @@ def lab_model():
     return load_model("tiny", device="cpu", dtype=torch.float32, weights="random")
 
 
-def lab_scenario(lengths, output, pool_tokens=None):
-    """A scenario of the lab at its CPU size (budget 512, blocks of 16), diagnosed."""
+def lab_record(lengths, output, pool_tokens=None) -> dict:
+    """The run record of a scenario of the lab at its CPU size (budget 512, blocks of 16)."""
     from minillm.lab.notebook import room
 
     blocks = ledger.ceil_div(pool_tokens or room(lengths, output, 16), 16)
     llm = LLM(lab_model(), block_size=16, num_kv_blocks=blocks, max_num_batched_tokens=512,
               enable_prefix_caching=False)
     make_workload("lab", lengths, [output] * len(lengths), lab_model().config.vocab_size).run(llm)
-    return diagnose(records.run_record(llm), bandwidth=1e10, peak_flops=1e11)
+    return records.run_record(llm)
+
+
+def lab_scenario(lengths, output, pool_tokens=None):
+    """A scenario of the lab at its CPU size, diagnosed."""
+    return diagnose(lab_record(lengths, output, pool_tokens), bandwidth=1e10, peak_flops=1e11)
 
 
 def test_the_labs_scenarios_schedule_as_the_chapter_says():
     """What the chapter's claims rest on, by the scheduler's rules alone: the long prompts wait for
-    the token budget, never for KV; four decodes run together for all their steps; twelve requests
-    in a pool of three wait for KV blocks and all finish; a pool that holds them all ends the
-    waiting and the preemptions and makes the decode batch larger."""
-    long_run = lab_scenario([2048] * 3, 4)
+    the token budget, never for KV, and some of their few decodes ride in a later document's
+    prefill chunk; four decodes run together for all their steps; twelve requests in a pool of
+    three wait for KV blocks and all finish; a pool that holds them all ends the waiting and the
+    preemptions and makes the decode batch larger."""
+    long_record = lab_record([2048] * 3, 4)
+    long_run = diagnose(long_record, bandwidth=1e10, peak_flops=1e11)
     assert long_run.batching.waited_steps["token_budget"] > 0 and long_run.batching.waited_steps["kv_pool"] == 0
+    steps = long_record["stats"]["steps"]
+    assert any(s["num_prefill_tokens"] and s["num_decode_tokens"] for s in steps)
     heavy = lab_scenario([32] * 4, 64)
     assert heavy.batching.num_steps == 64 and heavy.batching.mean_decode_batch == 4
     assert sum(heavy.batching.waited_steps.values()) == 0
@@ -322,11 +331,11 @@ def test_the_labs_scenarios_schedule_as_the_chapter_says():
 
 
 def test_four_tiny_decodes_stay_under_a_cpus_ridge():
-    """The lab's decode-heavy scenario on the CPU: four tiny fp32 decodes do under 2 FLOP per byte,
-    thirty-two would do over 10."""
+    """The lab's decode-heavy scenario on the CPU: four tiny fp32 decodes do under 2 FLOP per byte;
+    the GPU's batch of 128 would do over 25, more than ten times as many (the page: "`tiny` 的解码批一大就会越过它")."""
     cfg = load_config("tiny")
-    assert ledger.decode_step(cfg, 4, 64, 1e10, "fp32").intensity < 2
-    assert ledger.decode_step(cfg, 32, 64, 1e10, "fp32").intensity > 10
+    four, gpus_batch = (ledger.decode_step(cfg, b, 64, 1e10, "fp32").intensity for b in (4, 128))
+    assert four < 2 and gpus_batch > 25 and gpus_batch > 10 * four
 
 
 def test_the_chapters_ledger():
@@ -359,4 +368,5 @@ def test_the_chapters_ledger():
     assert all(f.bound == "compute" for f in prefill(h100) + prefill(h200))
     assert [f.seconds for f in prefill(h200)] == [f.seconds for f in prefill(h100)]
     assert 1.4 < h200.bandwidth / h100.bandwidth < 1.5 and h200.bf16_flops == h100.bf16_flops
+    assert decode(3, 8192, h100).bound == decode(3, 8192, h200).bound == "memory"
     assert decode(3, 8192, h200).seconds < decode(3, 8192, h100).seconds

@@ -416,18 +416,12 @@ def mixed_step(cfg: ModelConfig, running: int, ctx: int, span: tuple[int, int], 
                peak_flops: float, bandwidth: float, dtype="bf16") -> Floor:
     """The floor of one step that decodes a token for each of ``running`` requests at context
     ``ctx`` and computes positions ``span = (start, end)`` of a ``prompt_len``-token prompt, as the
-    engine runs a chunk of a prefill (chapters 调度 and serving): every layer for each position,
-    causal attention to all positions before it, the output layer for each decode and once when
-    the span ends the prompt; the weights read once, the decodes' KV read, the span's KV written
-    and the KV of the positions before it read back."""
-    start, end = span
-    if not 0 <= start < end <= prompt_len or running < 0:
-        raise ValueError(f"need 0 <= start < end <= prompt_len and running >= 0; got span {span}, "
-                         f"prompt_len {prompt_len}, running {running}")
-    flops = ((end - start) * (matmul_flops_per_token(cfg) - output_layer_flops(cfg))
-             + prefill_attention_flops(cfg, end) - prefill_attention_flops(cfg, start)
-             + (output_layer_flops(cfg) if end == prompt_len else 0))
-    nbytes = weight_bytes(cfg, dtype) + kv_bytes(cfg, end, dtype)
+    engine runs a chunk of a prefill beside decodes (chapters 调度 and serving): the chunk's ledger
+    (:func:`prefill_chunk`) and the decodes' FLOPs and KV reads; the weights are read once for both."""
+    if running < 0:
+        raise ValueError(f"need running >= 0, got {running}")
+    chunk = prefill_chunk(cfg, *span, prompt_len, dtype)
+    flops, nbytes = chunk.flops, chunk.bytes
     if running:
         decode = decode_step(cfg, running, ctx, bandwidth, dtype)
         flops, nbytes = flops + decode.flops, nbytes + decode.kv_read_bytes
