@@ -48,6 +48,9 @@ def test_where_adding_a_card_stops_paying():
     for link in (NV, PCIE):  # the figure: 70B's lines lie far below 8B's, its PCIe line rises slower
         assert all(b70 < b8 / 2 for b70, b8 in zip(tps(B70, link), tps(B8, link)))
     assert tps(B70, PCIE)[-1] / tps(B70, PCIE)[0] < tps(B70, NV)[-1] / tps(B70, NV)[0]
+    # exercise 2: the batch from which 2 cards beat 1 on PCIe; its message is still far below αβ
+    even = next(b for b in range(1, 513) if decode(B8, 2, PCIE, batch=b).seconds < decode(B8, 1, PCIE, batch=b).seconds)
+    assert 1 < even and L.allreduce_message_bytes(B8, even) < 0.1 * PCIE.latency * PCIE.bandwidth
 
 
 def test_the_published_numbers_read_as_the_page_reads_them():
