@@ -263,7 +263,12 @@ def test_memory_limit_above_the_device_is_cut_to_it_with_a_warning():
 def test_dry_run_blocks_match_vllm_on_a_24gb_card(log_id):
     """Llama-3.1-8B on an RTX 3090, 20000 and 29000 tokens a step: the MLP's moment dominates in both
     engines, and vLLM's non-torch memory (CUDA context included) is the dry run's."""
-    assert abs(beside_vllm(startup_log(log_id))["difference"]) < 0.05
+    log = startup_log(log_id)
+    ours = beside_vllm(log)["plan"]
+    forward = activation_estimate(log.config, log.setting("max_num_batched_tokens"), 0, torch.bfloat16)
+    assert ours.activation_peak_bytes == forward  # the MLP's moment, not the sampler's
+    assert ours.other_bytes == pytest.approx(log.reported["non_torch_memory_gib"] * GiB, rel=0.01)
+    assert abs(beside_vllm(log)["difference"]) < 0.05
 
 
 def test_dry_run_longest_length_matches_vllm():
@@ -281,7 +286,7 @@ def test_dry_run_on_an_80gb_card_is_within_5_percent_of_vllm():
     ours = dry_run(log)
     assert ours.other_bytes < log.reported["non_torch_memory_gib"] * GiB
     assert ours.activation_peak_bytes < log.reported["activation_peak_gib"] * GiB
-    assert abs(beside_vllm(log)["difference"]) < 0.05
+    assert 0 < beside_vllm(log)["difference"] < 0.05  # so the dry run plans a few more blocks
 
 
 def test_a10_log_held_only_the_forward():

@@ -41,6 +41,16 @@ def test_where_adding_a_card_stops_paying():
     assert nv8 == sorted(nv8) and pcie8[1] < pcie8[0] < pcie8[2] < pcie8[3]  # PCIe: 2 cards lose, 4 and 8 win
     assert all(t == sorted(t) for t in (tps(B70, NV), tps(B70, PCIE)))  # 70B: every doubling pays
     assert decode(B8, 2, PCIE).allreduce_seconds == pytest.approx(64 * (40e-6 + 8 * L.KiB / 20e9))
+    assert nv8[3] < 0.6 * 8 * nv8[0] and pcie8[1] > 0.9 * pcie8[0]  # "far from 8 times"; "a little slower"
+    steps = [decode(B8, tp, NV).seconds for tp in (1, 2, 4, 8)]
+    saved = [a - b for a, b in zip(steps, steps[1:])]
+    assert saved == sorted(saved, reverse=True)  # each doubling saves less time than the one before
+    for link in (NV, PCIE):  # the figure: 70B's lines lie far below 8B's, its PCIe line rises slower
+        assert all(b70 < b8 / 2 for b70, b8 in zip(tps(B70, link), tps(B8, link)))
+    assert tps(B70, PCIE)[-1] / tps(B70, PCIE)[0] < tps(B70, NV)[-1] / tps(B70, NV)[0]
+    # exercise 2: the batch from which 2 cards beat 1 on PCIe; its message is still far below αβ
+    even = next(b for b in range(1, 513) if decode(B8, 2, PCIE, batch=b).seconds < decode(B8, 1, PCIE, batch=b).seconds)
+    assert 1 < even and L.allreduce_message_bytes(B8, even) < 0.1 * PCIE.latency * PCIE.bandwidth
 
 
 def test_the_published_numbers_read_as_the_page_reads_them():

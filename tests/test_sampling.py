@@ -62,6 +62,17 @@ def test_top_k_and_top_p_cut_the_tail():
     assert set(_draws(logits, SamplingParams(top_p=0.81), 400).tolist()) == {0, 1, 2}
 
 
+def test_the_decode_chapters_toy_distribution():
+    """Chapter 解码's six-token toy: greedy draws token 0 only, top-k 2 the first two, and top-p 0.8
+    the first three, because the first two hold less than 0.8 and the first three more."""
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0]])
+    cumulative = logits.softmax(-1)[0].cumsum(0)
+    assert cumulative[1] < 0.8 <= cumulative[2]
+    assert set(_draws(logits, SamplingParams(temperature=0.0), 50).tolist()) == {0}
+    assert set(_draws(logits, SamplingParams(top_k=2), 400).tolist()) == {0, 1}
+    assert set(_draws(logits, SamplingParams(top_p=0.8), 800).tolist()) == {0, 1, 2}
+
+
 def test_temperature_sharpens_and_flattens():
     logits = torch.tensor([[2.0, 1.0, 0.0]])
     cold = _draws(logits, SamplingParams(temperature=0.05), 200)

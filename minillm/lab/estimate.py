@@ -158,13 +158,17 @@ def weight_bytes_read(cfg: ModelConfig, batch: int, dtype="bf16", quantization: 
             - cfg.num_layers * idle * expert_bytes(cfg, dtype, quantization, group_size))
 
 
-def decode_read_bytes(cfg: ModelConfig, dtype: str = "bf16", quantization: str | None = None, group_size: int = 32) -> int:
+def decode_read_bytes(cfg: ModelConfig, dtype: str = "bf16", quantization: str | None = None, group_size: int = 32,
+                      experts: float | None = None) -> float:
     """Weight bytes a decode step really reads: the ledger's ``weight_bytes`` less the embedding
     table, which a step only looks rows up in, unless the output layer is that same table (tied
-    and unquantized)."""
+    and unquantized); in an MoE model whose step runs ``experts`` distinct experts per layer
+    (:func:`experts_touched`, or counted), less the experts no token was routed to."""
     table = param_breakdown(cfg)["embedding"] * dtype_bytes(dtype)
     tied_and_read = cfg.tie_word_embeddings and quantization is None
-    return weight_bytes(cfg, dtype, quantization, group_size) - (0 if tied_and_read else table)
+    idle = 0 if experts is None else cfg.num_layers * (experts_per_layer(cfg) - experts)
+    return (weight_bytes(cfg, dtype, quantization, group_size) - (0 if tied_and_read else table)
+            - idle * expert_bytes(cfg, dtype, quantization, group_size))
 
 
 # --- FLOPs ------------------------------------------------------------------------------------
