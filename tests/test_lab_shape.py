@@ -36,7 +36,6 @@ NOT_YET = {
     "ch03-prefill",
     "ch05-kvcache",
     "ch06-memory",
-    "ch08-scheduling",
     "ch09-serving",
     "ch10-quantization",
     "ch11-speculative",

@@ -491,6 +491,10 @@ class ChunkedPrefill:
     chunks: tuple[Floor, ...]
 
     @property
+    def chunk_tokens(self) -> int:
+        return self.budget - self.running
+
+    @property
     def chunk_count(self) -> int:
         return len(self.spans)
 
@@ -519,7 +523,8 @@ def chunked_prefill(cfg: ModelConfig, prompt_len: int, budget: int, running: int
             nbytes += kv_bytes(cfg, span[1] - span[0], dtype) + kv_bytes(cfg, span[0], dtype)
         return roofline_floor(flops, nbytes, peak_flops, bandwidth)
 
-    ends = [*range(budget - running, prompt_len, budget - running), prompt_len]
+    chunk = budget - running
+    ends = [*range(chunk, prompt_len, chunk), prompt_len]
     spans = tuple(zip([0, *ends[:-1]], ends))
     return ChunkedPrefill(prompt_len, budget, running, ctx, step(None), step((0, prompt_len)), spans,
                           tuple(step(s) for s in spans))
