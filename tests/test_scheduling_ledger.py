@@ -67,6 +67,8 @@ def test_more_places_leave_more_idle():
     """Exercise 1: sixteen places instead of eight leave a larger share of slot-steps idle under both."""
     for static in (True, False):
         assert steps_and_idle(OUTPUTS, 16, static)[1] > steps_and_idle(OUTPUTS, 8, static)[1]
+    # continuous batching takes fewer steps with more places, down to the longest request's
+    assert steps_and_idle(OUTPUTS, 16, False)[0] == max(OUTPUTS) < steps_and_idle(OUTPUTS, 8, False)[0]
 
 
 def test_a_prompt_in_spans_costs_what_it_costs_whole():
@@ -102,6 +104,7 @@ def test_the_contract_on_an_h100():
 def test_the_contract_on_an_h200():
     """Exercise 2: on the H200 the unchunked contract is more decode steps long than on the H100."""
     h100, h200 = (L.chunked_prefill(CFG, 8192, 2048, 7, 1024, g.bf16_flops, g.bandwidth) for g in (H100, lookup_gpu("H200")))
+    assert h200.whole.seconds == pytest.approx(h100.whole.seconds)  # compute-bound: the same P
     assert h200.whole.seconds / h200.decode.seconds > h100.whole.seconds / h100.decode.seconds
 
 
