@@ -471,6 +471,111 @@ def paged_waste_tokens(lengths, block_size: int) -> int:
     return sum(ceil_div(n, block_size) * block_size - n for n in lengths)
 
 
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def prefix_hit_tokens(prompt_len: int, common: int, block_size: int) -> int:
+    """Tokens a prompt takes from a prefix cache of whole blocks, when ``common`` of its tokens
+    match tokens whose KV the cache holds: whole blocks only, and never the prompt's last token
+    (it is computed, so that its logits give the first new token)."""
+    return min(common, prompt_len - 1) // block_size * block_size
+
+
+# --- Scheduling (chapter 调度) ----------------------------------------------------------------------
+
+def slot_schedule(output_lens, slots: int, static: bool = False) -> list[tuple[int, int]]:
+    """(first step, end step) of each request when a request takes one step per output token (its
+    prefill step yields the first), at most ``slots`` run at once, first come first served.
+    ``static``: a batch of ``slots`` starts only when the previous one has entirely finished;
+    otherwise a freed slot takes the next request at the next step (continuous batching)."""
+    spans = []
+    if static:
+        start = 0
+        for first in range(0, len(output_lens), slots):
+            batch = output_lens[first:first + slots]
+            spans += [(start, start + o) for o in batch]
+            start += max(batch)
+    else:
+        free_at = [0] * slots
+        for o in output_lens:
+            slot = min(range(slots), key=free_at.__getitem__)
+            spans.append((free_at[slot], free_at[slot] + o))
+            free_at[slot] += o
+    return spans
+
+
+def prefill_span_flops(cfg: ModelConfig, start: int, end: int, prompt_len: int) -> int:
+    """FLOPs of computing prompt positions [start, end) as the engine does: every layer for each
+    token, causal attention to all positions before it, and the output layer only with the span
+    that ends the prompt (that step samples the first token)."""
+    layers = (end - start) * (matmul_flops_per_token(cfg) - output_layer_flops(cfg))
+    attention = prefill_attention_flops(cfg, end) - prefill_attention_flops(cfg, start)
+    return layers + attention + (output_layer_flops(cfg) if end == prompt_len else 0)
+
+
+@dataclass(frozen=True)
+class ChunkedPrefill:
+    """The steps around a ``prompt_len``-token prompt that arrives while ``running`` requests decode
+    at context ``ctx``, under a step budget of ``budget`` tokens: an ordinary decode step, the one
+    step that computes the whole prompt when chunking is off, and each chunk's step when it is on
+    (the decodes go first, one token each, so a chunk is ``budget - running`` prompt tokens)."""
+
+    prompt_len: int
+    budget: int
+    running: int
+    ctx: int
+    decode: Floor
+    whole: Floor
+    spans: tuple[tuple[int, int], ...]
+    chunks: tuple[Floor, ...]
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.budget - self.running
+
+    @property
+    def chunk_count(self) -> int:
+        return len(self.spans)
+
+    @property
+    def worst_chunk(self) -> Floor:
+        return max(self.chunks, key=lambda f: f.seconds)
+
+    @property
+    def chunked_seconds(self) -> float:
+        """All the chunks' steps together: the same prefill, and the weights read once per chunk."""
+        return sum(f.seconds for f in self.chunks)
+
+
+def chunked_prefill(cfg: ModelConfig, prompt_len: int, budget: int, running: int, ctx: int,
+                    peak_flops: float, bandwidth: float, dtype="bf16") -> ChunkedPrefill:
+    """:class:`ChunkedPrefill` at a device's two ceilings. A step's bytes are the weights once, the
+    decodes' KV, and for a prompt span [start, end) its KV written and the earlier positions' read."""
+    if not 0 <= running < budget:
+        raise ValueError(f"need 0 <= running < budget, got running={running}, budget={budget}")
+    decode = decode_step(cfg, max(running, 1), ctx, bandwidth, dtype)
+
+    def step(span):
+        flops, nbytes = decode.flops, decode.bytes
+        if span is not None:
+            flops += prefill_span_flops(cfg, *span, prompt_len)
+            nbytes += kv_bytes(cfg, span[1] - span[0], dtype) + kv_bytes(cfg, span[0], dtype)
+        return roofline_floor(flops, nbytes, peak_flops, bandwidth)
+
+    chunk = budget - running
+    ends = [*range(chunk, prompt_len, chunk), prompt_len]
+    spans = tuple(zip([0, *ends[:-1]], ends))
+    return ChunkedPrefill(prompt_len, budget, running, ctx, step(None), step((0, prompt_len)), spans,
+                          tuple(step(s) for s in spans))
+
+
 # --- Tensor parallelism (chapter 一张卡放不下) ------------------------------------------------------
 
 def card_config(cfg: ModelConfig, tp: int) -> ModelConfig:
