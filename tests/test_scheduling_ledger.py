@@ -73,11 +73,11 @@ def test_more_places_leave_more_idle():
 
 def test_a_prompt_in_spans_costs_what_it_costs_whole():
     n = 8192
-    assert L.prefill_span_flops(CFG, 0, n, n) == L.prefill(CFG, n).flops
+    assert L.prefill_chunk(CFG, 0, n, n).flops == L.prefill(CFG, n).flops
     spans = [(0, 2041), (2041, 4082), (4082, 6123), (6123, 8164), (8164, 8192)]
-    assert sum(L.prefill_span_flops(CFG, a, b, n) for a, b in spans) == L.prefill(CFG, n).flops
+    assert sum(L.prefill_chunk(CFG, a, b, n).flops for a, b in spans) == L.prefill(CFG, n).flops
     # the output layer is billed once, with the span that ends the prompt
-    assert L.prefill_span_flops(CFG, 0, 100, n) == 100 * (L.matmul_flops_per_token(CFG) - L.output_layer_flops(CFG)) \
+    assert L.prefill_chunk(CFG, 0, 100, n).flops == 100 * (L.matmul_flops_per_token(CFG) - L.output_layer_flops(CFG)) \
         + L.prefill_attention_flops(CFG, 100)
 
 

@@ -511,15 +511,6 @@ def slot_schedule(output_lens, slots: int, static: bool = False) -> list[tuple[i
     return spans
 
 
-def prefill_span_flops(cfg: ModelConfig, start: int, end: int, prompt_len: int) -> int:
-    """FLOPs of computing prompt positions [start, end) as the engine does: every layer for each
-    token, causal attention to all positions before it, and the output layer only with the span
-    that ends the prompt (that step samples the first token)."""
-    layers = (end - start) * (matmul_flops_per_token(cfg) - output_layer_flops(cfg))
-    attention = prefill_attention_flops(cfg, end) - prefill_attention_flops(cfg, start)
-    return layers + attention + (output_layer_flops(cfg) if end == prompt_len else 0)
-
-
 @dataclass(frozen=True)
 class ChunkedPrefill:
     """The steps around a ``prompt_len``-token prompt that arrives while ``running`` requests decode
@@ -556,23 +547,19 @@ class ChunkedPrefill:
 
 def chunked_prefill(cfg: ModelConfig, prompt_len: int, budget: int, running: int, ctx: int,
                     peak_flops: float, bandwidth: float, dtype="bf16") -> ChunkedPrefill:
-    """:class:`ChunkedPrefill` at a device's two ceilings. A step's bytes are the weights once, the
-    decodes' KV, and for a prompt span [start, end) its KV written and the earlier positions' read."""
+    """:class:`ChunkedPrefill` at a device's two ceilings: each step's floor is :func:`mixed_step`'s
+    (the decodes and a span of the prompt, the weights read once)."""
     if not 0 <= running < budget:
         raise ValueError(f"need 0 <= running < budget, got running={running}, budget={budget}")
-    decode = decode_step(cfg, max(running, 1), ctx, bandwidth, dtype)
-
-    def step(span):
-        flops, nbytes = decode.flops, decode.bytes
-        if span is not None:
-            flops += prefill_span_flops(cfg, *span, prompt_len)
-            nbytes += kv_bytes(cfg, span[1] - span[0], dtype) + kv_bytes(cfg, span[0], dtype)
-        return roofline_floor(flops, nbytes, peak_flops, bandwidth)
-
     chunk = budget - running
     ends = [*range(chunk, prompt_len, chunk), prompt_len]
     spans = tuple(zip([0, *ends[:-1]], ends))
-    return ChunkedPrefill(prompt_len, budget, running, ctx, step(None), step((0, prompt_len)), spans,
+
+    def step(span):
+        return mixed_step(cfg, running, ctx, span, prompt_len, peak_flops, bandwidth, dtype)
+
+    decode = decode_step(cfg, max(running, 1), ctx, bandwidth, dtype).floor(peak_flops, bandwidth)
+    return ChunkedPrefill(prompt_len, budget, running, ctx, decode, step((0, prompt_len)), spans,
                           tuple(step(s) for s in spans))
 
 
