@@ -39,8 +39,6 @@ NOT_YET = {
     "ch07-paging",
     "ch08-scheduling",
     "ch09-serving",
-    "ch10-quantization",
-    "ch11-speculative",
     "ch12-moe",
     "ch13-parallel",
     "ch14-diagnose",

@@ -9,7 +9,7 @@ a router biased towards a few hot experts; its tables, figure and :func:`glue_ch
 
 One convention on the bytes a step reads, everywhere in the chapter: every weight the step's tokens
 are routed through, the output layer included, but not the embedding table, which a step only looks
-``B`` rows up in (``ch10_quantization.decode_read_bytes``), and not the experts no token picked.
+``B`` rows up in (``minillm.lab.estimate.decode_read_bytes``), and not the experts no token picked.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from minillm.engine.config import ModelConfig, load_config
 from minillm.lab import estimate as L
-from minillm.lab.chapters.ch10_quantization import decode_read_bytes
+from minillm.lab.estimate import decode_read_bytes
 from minillm.lab.estimate import GB, GiB, Floor, fmt_int, roofline_floor
 
 MODELS = ("mixtral-8x7b", "qwen3-30b-a3b")
