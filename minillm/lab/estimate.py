@@ -426,6 +426,14 @@ def compute_bound_batch(step, peak_flops: float) -> int | None:
     return batch
 
 
+def cost_per_million(tokens_per_s: float, price_per_hour: float) -> float:
+    """US$ per million generated tokens at ``tokens_per_s`` on a machine rented at ``price_per_hour``
+    (chapter 量化)."""
+    if tokens_per_s <= 0 or price_per_hour < 0:
+        raise ValueError(f"need tokens_per_s > 0 and price_per_hour >= 0, got {tokens_per_s}, {price_per_hour}")
+    return price_per_hour / 3600 / tokens_per_s * 1e6
+
+
 # --- Speculative decoding (chapter 投机解码) ----------------------------------------------------
 
 def verify_step(cfg: ModelConfig, batch: int, ctx: int, bandwidth: float, proposals: int,
@@ -453,14 +461,6 @@ def speculative_speedup(alpha: float, gamma: int, draft_cost: float = 0.0, verif
     """S = τ / (γ·c + v): tokens per unit of time over plain decoding's, a draft pass costing
     ``draft_cost`` plain decode steps and the verify step ``verify_cost`` of them."""
     return accepted_length(alpha, gamma) / (gamma * draft_cost + verify_cost)
-
-
-def cost_per_million(tokens_per_s: float, price_per_hour: float) -> float:
-    """US$ per million generated tokens at ``tokens_per_s`` on a machine rented at ``price_per_hour``
-    (chapter 量化)."""
-    if tokens_per_s <= 0 or price_per_hour < 0:
-        raise ValueError(f"need tokens_per_s > 0 and price_per_hour >= 0, got {tokens_per_s}, {price_per_hour}")
-    return price_per_hour / 3600 / tokens_per_s * 1e6
 
 
 # --- Memory budget ----------------------------------------------------------------------------
