@@ -6,7 +6,7 @@ seconds; ``GB`` = 1e9 bytes, ``GiB`` = 2**30 bytes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minillm.engine.config import ModelConfig, tensor_parallel_shard
 from minillm.engine.memory_plan import MemoryPlan
@@ -444,6 +444,60 @@ def decode_always_bandwidth_bound_from(cfg: ModelConfig, ridge: float) -> float:
     point is ``ridge`` FLOP/byte: where :func:`decode_intensity_limit` falls to the ridge."""
     kv = kv_bytes_per_token(cfg)
     return matmul_flops_per_token(cfg) / kv / (ridge - attention_flops_per_token(cfg, 1) / kv)
+
+
+def compute_bound_batch(step, peak_flops: float) -> int | None:
+    """The smallest batch whose step ``step(batch)`` (a dense model's :class:`DecodeEstimate`) is
+    compute-bound at ``peak_flops``, or None when no batch is: the weights are read once per step,
+    each request adds FLOPs f and KV bytes k, so the step crosses at B = (weights / W) / (f / P - k / W),
+    if f / P > k / W (chapters 量化, 投机解码)."""
+    one = step(1)
+    per_request = one.flops / peak_flops - one.kv_read_bytes / one.bandwidth
+    if per_request <= 0:
+        return None
+    batch = max(1, int(one.weight_bytes / one.bandwidth / per_request))
+    while batch > 1 and step(batch - 1).floor(peak_flops).bound == "compute":
+        batch -= 1
+    while step(batch).floor(peak_flops).bound == "memory":
+        batch += 1
+    return batch
+
+
+def cost_per_million(tokens_per_s: float, price_per_hour: float) -> float:
+    """US$ per million generated tokens at ``tokens_per_s`` on a machine rented at ``price_per_hour``
+    (chapter 量化)."""
+    if tokens_per_s <= 0 or price_per_hour < 0:
+        raise ValueError(f"need tokens_per_s > 0 and price_per_hour >= 0, got {tokens_per_s}, {price_per_hour}")
+    return price_per_hour / 3600 / tokens_per_s * 1e6
+
+
+# --- Speculative decoding (chapter 投机解码) ----------------------------------------------------
+
+def verify_step(cfg: ModelConfig, batch: int, ctx: int, bandwidth: float, proposals: int,
+                dtype="bf16") -> DecodeEstimate:
+    """A decode step that also checks ``proposals`` guessed tokens per request: γ + 1 positions
+    each, so (γ + 1) times the FLOPs of :func:`decode_step` over the same bytes (the weights once,
+    each request's KV once; the few new positions' KV is left out)."""
+    if proposals < 0:
+        raise ValueError(f"proposals must be >= 0, got {proposals}")
+    step = decode_step(cfg, batch, ctx, bandwidth, dtype)
+    return replace(step, linear_flops=step.linear_flops * (proposals + 1),
+                   attention_flops=step.attention_flops * (proposals + 1))
+
+
+def accepted_length(alpha: float, gamma: int) -> float:
+    """τ = (1 − α^(γ+1)) / (1 − α): the tokens a verify step yields on average when each of
+    ``gamma`` proposals is accepted with probability ``alpha``, independently, up to the first
+    rejection, plus the target's own token."""
+    if not 0 <= alpha <= 1 or gamma < 0:
+        raise ValueError(f"need 0 <= alpha <= 1 and gamma >= 0, got {alpha}, {gamma}")
+    return gamma + 1.0 if alpha == 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def speculative_speedup(alpha: float, gamma: int, draft_cost: float = 0.0, verify_cost: float = 1.0) -> float:
+    """S = τ / (γ·c + v): tokens per unit of time over plain decoding's, a draft pass costing
+    ``draft_cost`` plain decode steps and the verify step ``verify_cost`` of them."""
+    return accepted_length(alpha, gamma) / (gamma * draft_cost + verify_cost)
 
 
 # --- Memory budget ----------------------------------------------------------------------------

@@ -173,20 +173,6 @@ def setup(name: str | None = None, cpu_model: str = CPU_MODEL, load: bool = True
 
 # --- Shared helpers ------------------------------------------------------------------------------
 
-def g(key: str, value) -> None:
-    """Glue ``value`` (text) under ``key`` for the chapter's prose, without showing it here."""
-    from myst_nb import glue
-
-    glue(key, value, display=False)
-
-
-def g_all(values: dict[str, str]) -> dict[str, str]:
-    """Glue every ``(key, value)`` of ``values`` as :func:`g` does; return ``values``."""
-    for key, value in values.items():
-        g(key, value)
-    return values
-
-
 def ms(seconds: float) -> str:
     """``12.3 ms``."""
     return f"{seconds * 1e3:,.1f} ms"
@@ -240,27 +226,6 @@ def greedy(max_tokens: int):
     from minillm.engine.sampling import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-# --- "本机" in words, and measurements set against their floors (chapters 1–5) -------------------
-
-def profile_words(profile: MachineProfile) -> dict[str, str]:
-    """The build's machine profile as every page and lab prints it, formatted once so that two
-    chapters never show one quantity two ways: ``device``, ``threads``, ``bw`` (copy bandwidth),
-    ``flops`` (matmul rate), ``ridge`` and ``policy`` (how and when it was probed)."""
-    from minillm.lab.machine_profile import TRIES
-
-    threads = "GPU" if profile.device_type == "cuda" else f"{profile.threads} 个 CPU 线程"
-    load = "" if profile.load_average is None else f"，当时 1 分钟平均负载 {profile.load_average:.1f}"
-    return {
-        "device": profile.device_name,
-        "threads": threads,
-        "bw": f"{profile.copy_bandwidth / 1e9:,.1f} GB/s",
-        "flops": f"{profile.matmul_flops / 1e9:,.1f} GFLOP/s",
-        "ridge": f"{profile.ridge_point:,.1f}",
-        "policy": (f"每次构建只探测一次（{threads}，拷贝带宽和矩阵乘各测 {TRIES} 遍取最好的一遍{load}），"
-                   f"结果缓存下来，全书每一章的“本机”都读这一份"),
-    }
 
 
 def last_level_cache_bytes(device: torch.device) -> int | None:
