@@ -357,14 +357,24 @@ def test_the_life_chapter_reads_its_ledger_right(llama8b):
         spec = lookup_gpu(name)
         alone, one, eight = decode7(1, 1, spec), decode7(1, ctx, spec), decode7(8, ctx, spec)
         assert all(f.bound == "memory" for f in (alone, one, eight)) and alone.compute_seconds < 50e-6
-        assert 8 * kv > weights and eight.seconds > 2 * one.seconds  # eight KVs outweigh the weights
+        assert 8 * kv > weights and 2 < eight.seconds / one.seconds < 3  # eight KVs outweigh the weights
         assert 2 < (8 / eight.seconds) / (1 / one.seconds) < 5  # "a few times" the throughput
     h200 = lookup_gpu("H200")
     assert decode7(8, ctx, h200).seconds / decode7(1, 1, h200).seconds > 3  # exercise 2
     assert round(ctx * (ctx - 1) / (1024 * 1023)) == 64  # exercise 3: 8x longer, ~64x the recomputation
-    # A Chinese contract of 8K-16K tokens still prefills compute-bound on the A100
+    # The contract in English and in Chinese (8K to about 17K tokens) prefills compute-bound on the A100
     a100 = lookup_gpu("A100 80GB SXM")
-    assert all(prefill(cfg7, n, "fp16").floor(a100.bf16_flops, a100.bandwidth).bound == "compute" for n in (8192, 16384))
+    assert all(prefill(cfg7, n, "fp16").floor(a100.bf16_flops, a100.bandwidth).bound == "compute"
+               for n in (8192, 16384, 20000))
+    # The lab's timings (SmolLM2 in fp32 on the CPU, the 8B in bf16 on a GPU): the contract's prefill does
+    # hundreds to thousands of FLOPs per byte, the decodes of section 5 a few tenths to a few; short
+    # contexts, a batch of 16 does nearly 16 times the FLOPs per byte of one request
+    smol = load_config("smollm2-135m")
+    assert 100 < prefill(smol, 1024, "float32").intensity < 1000 < prefill(llama8b, 8192).intensity < 10_000
+    decodes = [decode_step(smol, 1, 80, TB_S, "float32"), decode_step(smol, 4, 2 * 1024 + 8, TB_S, "float32"),
+               decode_step(llama8b, 1, 80, TB_S), decode_step(llama8b, 4, 2 * 8192 + 64, TB_S)]
+    assert 0.1 < min(d.intensity for d in decodes) < 1 < max(d.intensity for d in decodes) < 10
+    assert decode_step(smol, 16, 100, TB_S, "float32").intensity > 12 * decode_step(smol, 1, 100, TB_S, "float32").intensity
     # GQA: a quarter of the 7B's KV per token; 29 8K requests on a 48 GiB card
     assert llama8b.gqa_ratio == 4 and kv_bytes(llama8b, ctx) * 4 == kv
     assert memory_budget(llama8b, lookup_gpu("L40S").memory_bytes, 0.92).concurrent_requests(ctx) == 29

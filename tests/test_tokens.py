@@ -41,6 +41,6 @@ def test_chinese_costs_more_tokens_and_tokenizers_disagree_on_it(chat):
     counts = {kind: {name: len(encode(sample_text(name))) for name in TEXTS} for kind, encode in encoders.items()}
     zh, en = ({kind: c[f"contract_{lang}"] for kind, c in counts.items()} for lang in ("zh", "en"))
     assert all(zh[k] > en[k] for k in encoders) and max(en.values()) < 1.15 * min(en.values())
-    assert zh["Tekken"] < zh["SentencePiece"] < zh["BPE"] and 1.5 < zh["BPE"] / zh["Tekken"] < 2
+    assert zh["Tekken"] < zh["SentencePiece"] < zh["BPE"] and 1.6 < zh["BPE"] / zh["Tekken"] < 2  # "差近一倍"
     for name in ("contract", "question", "scene"):
         assert counts["BPE"][f"{name}_zh"] > counts["BPE"][f"{name}_en"]
