@@ -5,7 +5,8 @@ ledger functions (``minillm.lab.estimate``, ``minillm.engine.planner.plan``)."""
 import pytest
 import torch
 
-from minillm.engine.config import load_config
+from minillm.engine.config import load_config, resolve_checkpoint
+from minillm.engine.gguf_file import GGUFFile
 from minillm.engine.planner import plan
 from minillm.engine.quantization import check_shapes
 from minillm.lab import estimate as L
@@ -43,6 +44,20 @@ def test_bytes_per_weight_count_the_group_parameters():
     assert per_weight("int8") == 1 + 4 / 4096
     assert per_weight("int4", 32) == 0.625 and 1 - 0.5 / per_weight("int4", 32) == pytest.approx(0.2)
     assert per_weight("int4", 128) == 0.5 + 4 / 128
+
+
+def test_smollm2s_layers_are_q4_1_and_its_embedding_table_q8_0():
+    """'每一层的矩阵本来就存成 4 位的 Q4_1 ……（只有词嵌入表存成 8 位的 Q8_0）'."""
+    tensors = GGUFFile(resolve_checkpoint("smollm2-135m")).tensors
+    matrices = {name: t.type_name for name, t in tensors.items() if name.startswith("blk.") and len(t.shape) == 2}
+    assert len(matrices) == 7 * SMALL.num_layers and set(matrices.values()) == {"Q4_1"}
+    assert tensors["token_embd.weight"].type_name == "Q8_0" and "output.weight" not in tensors  # tied
+
+
+def test_the_bytes_ratios_stay_below_the_bytes_per_weight():
+    """'字节之比却到不了 4 倍、8 倍' (SmolLM2 in fp32, the weights a decode step reads)."""
+    read = {q: L.decode_read_bytes(SMALL, "fp32", q) for q in (None, "int8", "int4")}
+    assert 3.9 < read[None] / read["int8"] < 4 and 5 < read[None] / read["int4"] < 8
 
 
 def test_decode_reads_no_embedding_table_unless_it_is_the_output_layer():
@@ -94,6 +109,10 @@ def test_the_24gib_dry_run():
     assert capped == [("int8", "fp8"), INT4_FP8]
     assert all(dry[fmt].max_model_len == CFG.max_position_embeddings for fmt in capped)
     assert round(dry[INT4_FP8].tokens / dry[BF16].tokens, 1) == 5.3
+    # the figure: each switch to fp8 KV doubles the bar (to a block); bf16 weights take most of the card
+    for q in (None, "int8", "int4"):
+        assert abs(dry[q, "fp8"].num_blocks - 2 * dry[q, "bf16"].num_blocks) <= 1
+    assert dry[BF16].weight_bytes > dry[BF16].budget_bytes / 2
 
 
 def test_the_output_layer_s_share_of_an_int4_step():
@@ -106,7 +125,7 @@ def test_the_output_layer_s_share_of_an_int4_step():
 
 def test_e4m3_rounds_within_a_sixteenth_and_saturates_at_448():
     e4m3 = torch.finfo(torch.float8_e4m3fn)
-    assert e4m3.max == 448 and e4m3.eps / 2 == 0.0625
+    assert e4m3.max == 448 and e4m3.eps / 2 == 0.0625 and e4m3.smallest_normal == 2 ** -6
 
 
 def test_gpt_fast_published_bytes_per_token_match_the_ledger():
@@ -139,6 +158,10 @@ def test_serving_at_an_slo_on_the_rtx_4090():
     assert all(at_slo(fmt, 0.050) == dry_run(fmt).concurrent_requests(4096) for fmt in GRID)
     assert at_slo(BF16, 0.015) == 0 and L.weight_bytes(CFG) / RTX.bandwidth > 0.015
     assert at_slo(INT4_FP8, 0.015) > 10
+    # at 50 ms both full batches read about the whole budget: the steps take as long, the cost is the batch
+    full = {fmt: floor(RTX, fmt, at_slo(fmt, 0.050)) for fmt in (BF16, INT4_FP8)}
+    assert abs(full[BF16].seconds / full[INT4_FP8].seconds - 1) < 0.01
+    assert all(0.9 * dry_run(fmt).budget_bytes < f.bytes < dry_run(fmt).budget_bytes for fmt, f in full.items())
 
 
 def test_cost_per_million_tokens():
@@ -154,3 +177,4 @@ def test_the_exercises():
     with pytest.raises(ValueError, match="576"):
         check_shapes(SMALL, "int4", 128)
     assert floor(H100, FP8, 8, 32768).seconds < floor(H100, INT4, 8, 32768).seconds
+    assert all(L.kv_bytes(CFG, 8 * 32768, kv) > floor(H100, (q, kv), 8, 32768).bytes / 2 for q, kv in GRID)  # 大半是 KV

@@ -401,6 +401,10 @@ def test_bench_speculative_prints_its_ratios_as_one_json_object(capsys):
     assert 0 < result["num_accepted_tokens"] <= result["num_draft_tokens"]
     assert result["acceptance_rate"] == result["num_accepted_tokens"] / result["num_draft_tokens"]
     assert 1 < result["mean_accepted_length"] <= 1 + result["speculative_config"]["num_speculative_tokens"]
+    # α: accepted over compared (the accepted ones and one per verify that stopped at a miss)
+    assert 0 <= result["num_missed_drafts"] <= result["num_drafts"]
+    compared = result["num_accepted_tokens"] + result["num_missed_drafts"]
+    assert result["alpha"] == result["num_accepted_tokens"] / compared >= result["acceptance_rate"]
 
 
 def test_bench_speculative_prices_a_draft_of_the_first_layers(capsys):

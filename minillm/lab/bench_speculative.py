@@ -9,7 +9,7 @@ The prompts are input-grounded: the real model is asked to repeat a paragraph of
 Python Language Reference's help topics, as in ``bench quality``), so its answer quotes its
 prompt and n-gram proposals can hit. The same greedy requests run through two engines over one
 loaded model, speculation off and on, in turns (off, on, off, on, ...), each timed from the first
-request in to the last token out; a first untimed run of each warms it up. The outputs must be
+request in to the last token out; a first short untimed run of each warms it up. The outputs must be
 token for token the same, and are checked. On the CPU torch gets ``threads`` threads (default 1,
 the labs' policy): on a small, shared CPU more threads make the few-row matmuls of a verify step
 wait on each other, and the ratio would measure that instead.
@@ -33,6 +33,7 @@ from minillm.lab.bench_quality import quality_text
 
 PARAGRAPH_WORDS = 60
 NUM_KV_BLOCKS = 512  # of 16 tokens: room for the batches this bench runs
+WARMUP_TOKENS = 8  # each request's tokens in the untimed first run
 
 
 OPEN_QUESTIONS = ("Why is the sky blue?", "Write a short poem about autumn.",
@@ -66,7 +67,11 @@ def bench_speculative(model_name: str = "smollm2-135m", device=None, dtype=None,
                       threads: int | None = CPU_THREADS, task: str = "grounded", method: str = "ngram",
                       num_draft_layers: int | None = None) -> dict:
     """Median wall time off and on over ``repeats`` turns, their ratio, tokens per decode step,
-    the acceptance rate (accepted / proposed) and the mean tokens per verified request-step.
+    the acceptance rate (accepted / proposed, vLLM's), the mean tokens per verified request-step
+    and ``alpha``, the share of the proposals the target compared that it accepted: it compares
+    them in order and stops at the first miss, so the compared ones are the accepted ones and one
+    per verify that missed. That is the per-position α of τ = (1 − α^(γ+1)) / (1 − α); the
+    acceptance rate counts the proposals after a miss too, which were never compared.
     ``threads``: torch's CPU threads meanwhile (None: as they are); ``task``: "grounded" (repeat a
     given paragraph) or "open" (open-ended questions); ``method`` "draft_layers" drafts with the
     first ``num_draft_layers`` layers (and adds the draft's measured price)."""
@@ -92,7 +97,7 @@ def _bench(model_name, device, dtype, batch: int, max_tokens: int, repeats: int,
                for p in (grounded_prompts if task == "grounded" else open_prompts)(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for llm in engines.values():
-        _run(llm, prompts, params)  # warm-up
+        _run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=min(max_tokens, WARMUP_TOKENS)))
     seconds, answers, stats = {"off": [], "on": []}, {}, {}
     draft = engines["on"].runner.draft
     for _ in range(repeats):
@@ -104,6 +109,7 @@ def _bench(model_name, device, dtype, batch: int, max_tokens: int, repeats: int,
                 passes, draft_s = draft.num_passes - passes, draft.seconds - draft_s
     off_s, on_s = statistics.median(seconds["off"]), statistics.median(seconds["on"])
     on = stats["on"]
+    missed = sum(n > 0 for step in on["steps"] for n in step["num_rejected"].values())  # verifies that missed
 
     def tokens_per_step(s: dict) -> float:  # generated tokens over the steps that generated any
         steps = [step for step in s["steps"] if step["num_generated"]]
@@ -119,6 +125,8 @@ def _bench(model_name, device, dtype, batch: int, max_tokens: int, repeats: int,
             "num_accepted_tokens": on["num_accepted_tokens"],
             "acceptance_rate": on["num_accepted_tokens"] / on["num_draft_tokens"] if on["num_draft_tokens"] else 0.0,
             "mean_accepted_length": 1 + on["num_accepted_tokens"] / on["num_drafts"] if on["num_drafts"] else 1.0,
+            "num_missed_drafts": missed,
+            "alpha": on["num_accepted_tokens"] / (on["num_accepted_tokens"] + missed) if on["num_drafts"] else 0.0,
             **(draft_price(stats["off"], on, passes, draft_s) if draft else {})}
 
 
@@ -155,7 +163,8 @@ def format_speculative(r: dict) -> str:
         f"tokens per step: off {r['tokens_per_step_off']:.2f}, on {r['tokens_per_step_on']:.2f} "
         f"({r['tokens_per_step_on'] / r['tokens_per_step_off']:.2f}x)",
         f"proposed {r['num_draft_tokens']}, accepted {r['num_accepted_tokens']}: acceptance rate "
-        f"{r['acceptance_rate']:.2%}, mean accepted length {r['mean_accepted_length']:.2f} tokens per verify"]
+        f"{r['acceptance_rate']:.2%}, mean accepted length {r['mean_accepted_length']:.2f} tokens per verify",
+        f"{r['num_missed_drafts']} verifies stopped at a miss: per-position acceptance alpha {r['alpha']:.2%}"]
     if "draft_cost" in r:
         lines.append(f"draft pass {r['draft_pass_s'] * 1e3:.2f} ms = {r['draft_cost']:.2f} x a target step "
                      f"({r['target_step_s'] * 1e3:.2f} ms); verify step {r['verify_cost']:.2f} x; "
