@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=sorted(TORCH_DTYPES), help="default: the model's on CUDA, "
                                                                    "float32 on the CPU")
     gen.add_argument("--weights", default="auto", choices=["auto", "random"])
-    gen.add_argument("--num-kv-blocks", type=int, default=256, help="KV blocks of 16 tokens (default 256)")
+    gen.add_argument("--num-kv-blocks", type=int, help="KV blocks of 16 tokens (default: the planner on "
+                                                       "CUDA; on the CPU $MINILLM_CPU_KVCACHE_SPACE GiB, default 4)")
     gen.add_argument("--max-model-len", type=int, help="longest request (default: what the pool holds)")
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks that split every layer (default 1)")
     add_quantization_options(gen)

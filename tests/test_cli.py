@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from minillm.__main__ import main
+from minillm.__main__ import build_parser, main
 
 
 def run(*argv):
@@ -42,11 +42,30 @@ def test_estimate_errors_are_one_line_exit_2(argv, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_generate_prints_the_new_tokens(capsys):
+def test_generate_prints_the_new_tokens(capsys, monkeypatch):
+    """No sizing argument: the CPU's pool is $MINILLM_CPU_KVCACHE_SPACE GiB (small here)."""
+    monkeypatch.setenv("MINILLM_CPU_KVCACHE_SPACE", "0.01")
     argv = ["generate", "tiny", "--weights", "random", "--token-ids", "5,6,7", "--max-tokens", "4"]
     assert main(argv) == 0
     first = capsys.readouterr().out.split()
     assert len(first) == 4 and all(0 <= int(t) < 4096 for t in first)
+
+
+def test_serve_turns_prefix_caching_off_and_passes_it_to_the_engine():
+    from minillm.server.cli import ENGINE_OPTIONS
+
+    assert "enable_prefix_caching" in ENGINE_OPTIONS
+    parser = build_parser()
+    assert parser.parse_args(["serve", "tiny", "--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert parser.parse_args(["serve", "tiny", "--enable-prefix-caching"]).enable_prefix_caching is True
+    assert parser.parse_args(["serve", "tiny"]).enable_prefix_caching is None  # the engine's default
+
+
+@pytest.mark.parametrize("command", ["prefill", "decode", "paged-decode"])
+def test_each_bench_points_at_a_record_of_its_own_kind(command):
+    text = run("bench", command, "--help").stdout
+    assert f"h200-{command}.json" in " ".join(text.split())
+    assert ("decode.json" in text) == (command != "prefill")
 
 
 def test_generate_without_weights_is_a_clear_error():

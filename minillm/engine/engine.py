@@ -7,6 +7,7 @@ down what happened. ``minillm.engine.llm.LLM`` is the offline front door.
 """
 from __future__ import annotations
 
+import logging
 import numbers
 import time
 
@@ -14,7 +15,7 @@ import torch
 
 from minillm.engine.config import ModelConfig, load_config, tensor_parallel_shard
 from minillm.engine.device import pick_device, resolve_device
-from minillm.engine.engine_config import EngineConfig
+from minillm.engine.engine_config import EngineConfig, cpu_kvcache_bytes
 from minillm.engine.kv_cache import kv_bytes_per_token, kv_storage_dtype
 from minillm.engine.loader import load_model
 from minillm.engine.model import Transformer
@@ -26,6 +27,15 @@ from minillm.engine.recorder import Recorder
 from minillm.engine.request import Request, RequestOutput
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.scheduler import SCHEDULERS
+from minillm.engine.units import fmt_bytes
+
+logger = logging.getLogger("minillm.engine")
+if not logger.handlers:  # as vLLM does: the engine's INFO lines on stderr unless the application set its own
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 class LLMEngine:
@@ -34,7 +44,8 @@ class LLMEngine:
     ``model``: a loaded ``Transformer``, or a folder / preset / hub id for ``load_model`` (with
     ``device``, ``dtype``, ``weights``). The other keyword arguments are ``EngineConfig``'s, checked
     before anything is loaded. ``num_kv_blocks=None``: ``minillm.engine.planner.plan`` sizes the
-    pool (on the CPU it needs ``memory_limit``). ``max_model_len=None``: the plan's, else as long as
+    pool; on the CPU without ``memory_limit``, ``$MINILLM_CPU_KVCACHE_SPACE`` GiB (default 4) does,
+    as in vLLM's CPU backend, and the log says so. ``max_model_len=None``: the plan's, else as long as
     the model's positions and the pool allow. ``log_limit``: the most recent steps and finished
     requests the recorder keeps (None: all; a server keeps a bounded tail).
 
@@ -47,9 +58,10 @@ class LLMEngine:
                  log_limit: int | None = None, **engine_args):
         config = EngineConfig(**engine_args)
         _check_device(config, device)
+        cpu_kv_bytes = _cpu_kv_bytes(config, model, device)
         self.workers = _start_workers(model, device, dtype, weights, config)
         try:
-            self._build(model, device, dtype, weights, config)
+            self._build(model, device, dtype, weights, config, cpu_kv_bytes)
         except BaseException:
             self.close()
             raise
@@ -58,8 +70,9 @@ class LLMEngine:
         self._next_id = 0
         self._aborted: list[RequestOutput] = []  # reported by the next step()
 
-    def _build(self, model, device, dtype, weights, config: EngineConfig) -> None:
-        """The model (this rank's shard), the plan, the KV pool, the scheduler and the runner."""
+    def _build(self, model, device, dtype, weights, config: EngineConfig, cpu_kv_bytes: int | None) -> None:
+        """The model (this rank's shard), the plan (or the CPU's pool of ``cpu_kv_bytes``), the KV
+        pool, the scheduler and the runner."""
         workers = self.workers
         if workers:
             device = workers.device  # rank 0's, as _start_workers settled it
@@ -69,12 +82,20 @@ class LLMEngine:
         if config.speculative_config is not None:  # before the pool is planned or allocated
             config.speculative_config.check_model(self.model.config.num_layers)
         self.tokenizer = getattr(self.model, "tokenizer", None)
-        if config.num_kv_blocks is None and workers:
+        planned = config.num_kv_blocks is None and cpu_kv_bytes is None
+        if planned and workers:
             workers.order("plan", config)  # every rank runs the profile step, in step with rank 0
-        self.memory_plan = plan(self.model, engine_config=config) if config.num_kv_blocks is None else None
+        self.memory_plan = plan(self.model, engine_config=config) if planned else None
         model_config, kv_dtype = self.model.config, kv_storage_dtype(config.kv_cache_dtype, self.model.dtype)
         bytes_per_block = config.block_size * kv_bytes_per_token(model_config, kv_dtype)
-        self.config = config = config.resolved(model_config.max_position_embeddings, bytes_per_block, self.memory_plan)
+        self.config = config = config.resolved(model_config.max_position_embeddings, bytes_per_block,
+                                               self.memory_plan, cpu_kv_bytes)
+        if cpu_kv_bytes is not None:
+            logger.info("KV cache on the CPU: %d blocks of %d tokens (%s) out of $MINILLM_CPU_KVCACHE_SPACE="
+                        "%s, at most max_num_seqs=%d requests of max_model_len=%d; num_kv_blocks or "
+                        "memory_limit sizes it", config.num_kv_blocks, config.block_size,
+                        fmt_bytes(config.num_kv_blocks * bytes_per_block), fmt_bytes(cpu_kv_bytes),
+                        config.max_num_seqs, config.max_model_len)
         self.kv_cache = PagedKVCache(
             model_config, config.num_kv_blocks, config.block_size, kv_dtype, self.model.device,
             enable_prefix_caching=config.enable_prefix_caching, prefix_index=config.prefix_index,
@@ -245,6 +266,15 @@ def _check_device(config: EngineConfig, device) -> None:
         raise ValueError(f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer (Ada, "
                          f"Hopper): {torch.cuda.get_device_name(device)} is "
                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}; use 'auto'")
+
+
+def _cpu_kv_bytes(config: EngineConfig, model, device) -> int | None:
+    """The CPU's KV pool in bytes (``cpu_kvcache_bytes``) when nothing else sizes it: no
+    ``num_kv_blocks``, no ``memory_limit``, the model on the CPU; None otherwise."""
+    if config.num_kv_blocks is not None or config.memory_limit is not None:
+        return None
+    where = model.device if isinstance(model, Transformer) else resolve_device(device)
+    return cpu_kvcache_bytes() if where.type == "cpu" else None
 
 
 def _start_workers(model, device, dtype, weights, config: EngineConfig) -> Workers | None:

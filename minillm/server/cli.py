@@ -13,7 +13,7 @@ from minillm.engine.engine_config import add_quantization_options
 
 ENGINE_OPTIONS = ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
                   "max_num_batched_tokens", "gpu_memory_utilization", "memory_limit",
-                  "enable_chunked_prefill", "quantization", "group_size", "kv_cache_dtype",
+                  "enable_chunked_prefill", "enable_prefix_caching", "quantization", "group_size", "kv_cache_dtype",
                   "speculative_config", "tensor_parallel_size")
 MAX_QUEUE = 1024  # requests that may wait for their first step
 SHUTDOWN_TIMEOUT_S = 10.0  # on SIGTERM/SIGINT, what in-flight requests get to finish
@@ -31,8 +31,8 @@ def add_cli(subparsers) -> None:
     cmd.add_argument("--weights", default="auto", choices=["auto", "random"],
                      help="random: the model's shape with random values (no checkpoint needed)")
     cmd.add_argument("--block-size", type=int)
-    cmd.add_argument("--num-kv-blocks", type=int, help="default: the planner sizes the pool (on "
-                                                       "the CPU give this or --memory-limit)")
+    cmd.add_argument("--num-kv-blocks", type=int, help="default: the planner sizes the pool (on the "
+                                                       "CPU: $MINILLM_CPU_KVCACHE_SPACE GiB, default 4)")
     cmd.add_argument("--memory-limit", help="plan the KV pool as if the device had this much, e.g. 2GiB")
     cmd.add_argument("--gpu-memory-utilization", type=float)
     cmd.add_argument("--max-model-len", type=int)
@@ -41,6 +41,8 @@ def add_cli(subparsers) -> None:
     cmd.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                      help="split long prompts over steps (default on); with "
                           "--no-enable-chunked-prefill a prompt must fit --max-num-batched-tokens")
+    cmd.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                     help="reuse the KV blocks of a prompt's cached prefix (default on)")
     add_quantization_options(cmd)
     cmd.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
                      help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", '
