@@ -21,13 +21,14 @@ from minillm.engine.loader import load_model
 from minillm.engine.model import Transformer
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.paged_cache import PagedKVCache
-from minillm.engine.parallel import TensorParallel, Workers
+from minillm.engine.parallel import TensorParallel
 from minillm.engine.planner import plan
 from minillm.engine.recorder import Recorder
 from minillm.engine.request import Request, RequestOutput
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.scheduler import SCHEDULERS
 from minillm.engine.units import fmt_bytes
+from minillm.engine.workers import Workers
 
 logger = logging.getLogger("minillm.engine")
 if not logger.handlers:  # as vLLM does: the engine's INFO lines on stderr unless the application set its own
@@ -50,7 +51,7 @@ class LLMEngine:
     requests the recorder keeps (None: all; a server keeps a bounded tail).
 
     ``tensor_parallel_size=N`` > 1: this process is rank 0 and starts ranks 1..N-1
-    (``minillm.engine.parallel``); the sizes below (``model.config``, the plan, the KV pool) are then
+    (``minillm.engine.workers``); the sizes below (``model.config``, the plan, the KV pool) are then
     one rank's. :meth:`close` (or leaving a ``with`` block) stops them.
     """
 
@@ -96,10 +97,7 @@ class LLMEngine:
                         "memory_limit sizes it", config.num_kv_blocks, config.block_size,
                         fmt_bytes(config.num_kv_blocks * bytes_per_block), fmt_bytes(cpu_kv_bytes),
                         config.max_num_seqs, config.max_model_len)
-        self.kv_cache = PagedKVCache(
-            model_config, config.num_kv_blocks, config.block_size, kv_dtype, self.model.device,
-            enable_prefix_caching=config.enable_prefix_caching, prefix_index=config.prefix_index,
-            max_model_len=config.max_model_len, num_cpu_blocks=config.num_cpu_blocks)
+        self.kv_cache = PagedKVCache.from_config(model_config, config, kv_dtype, self.model.device)
         if workers:
             workers.order("cache", config, kv_dtype)
         self.scheduler = SCHEDULERS[config.scheduling](self.kv_cache, config, model_config.eos_token_ids)

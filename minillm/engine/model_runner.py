@@ -30,7 +30,7 @@ class ModelRunner:
 
     Decode graphs: ``config.cuda_graph_sizes`` if given (off CUDA they run eagerly on the same padded
     inputs), else vLLM's ladder up to ``max_num_seqs`` on CUDA; none with ``enforce_eager`` or under
-    tensor parallelism, where ``workers`` (``minillm.engine.parallel.Workers``) get each step's
+    tensor parallelism, where ``workers`` (``minillm.engine.workers.Workers``) get each step's
     inputs by broadcast and run the same forward on their shards."""
 
     def __init__(self, model: Transformer, kv_cache: PagedKVCache, config: EngineConfig, workers=None):
