@@ -130,6 +130,19 @@ def test_attention_metadata_is_built_in_one_function():
     assert sorted(set(builders)) == ["attention_metadata.py:build"]
 
 
+def test_block_size_is_validated_only_in_engine_config():
+    """``EngineConfig`` checks ``block_size`` once; the caches and the indexes take it as given."""
+    from minillm.engine.engine_config import EngineConfig
+
+    elsewhere = sorted(f"{path.name}:{node.lineno}" for path in (ROOT / "minillm").rglob("*.py")
+                       if path.name != "engine_config.py" for node in ast.walk(ast.parse(path.read_text()))
+                       if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "check_positive_int"
+                       and "block_size" in ast.unparse(node.args[0]))
+    assert elsewhere == []
+    with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
+        EngineConfig(block_size=0)
+
+
 def notebook_code(path: Path) -> str:
     cells = json.loads(path.read_text())["cells"]
     return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")

@@ -128,7 +128,6 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self.prompt_token_ids(prompt)
-        self.scheduler.check_request(str(request_id), len(token_ids))
         request = Request(str(request_id), token_ids, params, arrival_time=arrival)
         request.metrics.tokenized_time = self.now()
         self.scheduler.add_request(request)

@@ -8,7 +8,7 @@ just made (for streaming) and, at the end, why it stopped.
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import InitVar, asdict, dataclass, field
 
 from minillm.engine.sampling import SamplingParams
 
@@ -94,7 +94,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_time: float = 0.0
+    arrival_time: InitVar[float] = 0.0  # kept by its metrics, the one owner of its timestamps
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (GPU pool)
     status: RequestStatus = RequestStatus.WAITING
@@ -104,13 +104,14 @@ class Request:
     num_spec_tokens: int = 0  # proposed tokens this step verifies (the scheduler decides how many)
     spec_token_ids: list[int] = field(default_factory=list)  # those tokens (vLLM's name); a draft model's
     # are filled in by the model runner when the step runs
-    num_draft_tokens: int = 0  # tokens proposed for it so far (speculative decoding)
-    num_accepted_tokens: int = 0  # of those, accepted by the target
     metrics: RequestMetrics = field(init=False)
 
-    def __post_init__(self):
-        self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.metrics = RequestMetrics(self.arrival_time, num_prompt_tokens=self.num_prompt_tokens)
+    def __post_init__(self, arrival_time: float):
+        self.metrics = RequestMetrics(arrival_time, num_prompt_tokens=len(self.prompt_token_ids))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.metrics.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
