@@ -1,9 +1,11 @@
 """``python -m minillm estimate``: the ledger on the command line, and its errors."""
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from minillm.__main__ import build_parser, main
 
@@ -78,3 +80,30 @@ def test_diagnose_rejects_an_unreadable_record(tmp_path):
     bad.write_text("{not json")
     result = run("diagnose", str(bad))
     assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_thread_policy_defaults_to_physical_cores_and_says_so(monkeypatch):
+    from minillm.engine.device import physical_cores, set_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        cores = physical_cores()
+        assert 1 <= cores <= os.cpu_count()
+        assert set_threads() == f"{cores} CPU thread{'s' if cores > 1 else ''} (one per physical core)"
+        assert torch.get_num_threads() == cores
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert set_threads() == "1 CPU thread ($OMP_NUM_THREADS)" and torch.get_num_threads() == 1
+        assert set_threads(3) == "3 CPU threads (--threads)" and torch.get_num_threads() == 3
+        with pytest.raises(ValueError, match="threads must be an int >= 1"):
+            set_threads(0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_generate_logs_its_threads_and_refuses_zero():
+    argv = ("generate", "tiny", "--weights", "random", "--token-ids", "5,6", "--max-tokens", "2")
+    result = run(*argv, "--threads", "1")
+    assert result.returncode == 0 and result.stderr.splitlines()[0] == "minillm: 1 CPU thread (--threads)"
+    result = run(*argv, "--threads", "0")
+    assert result.returncode == 2 and "threads must be an int >= 1, got 0" in result.stderr

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from minillm.engine.device import add_threads_option
 from minillm.engine.engine_config import add_quantization_options
 
 ENGINE_OPTIONS = ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
@@ -44,6 +45,7 @@ def add_cli(subparsers) -> None:
     cmd.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                      help="reuse the KV blocks of a prompt's cached prefix (default on)")
     add_quantization_options(cmd)
+    add_threads_option(cmd)
     cmd.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
                      help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", '
                           '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\' or \'{"method": '
