@@ -220,3 +220,33 @@ def test_stop_strings_end_the_text_exactly_before_them(smollm):
             last = out
     assert "".join(pieces) == last.text == cut and last.finish_reason == "stop"
     assert smollm.kv_cache.manager.num_free_blocks == 64
+
+
+def test_speculative_decoding_keeps_penalties_logprobs_and_n():
+    """With prompt-lookup proposals verified several a step, a penalized request's greedy tokens,
+    a request's logprobs and n shared answers are those of one token a step."""
+    stretch = [random.Random(9).randrange(CONFIG.vocab_size) for _ in range(6)]
+    prompt = (stretch * 5)[:27]  # repetitive: proposals find matches
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, presence_penalty=0.3,
+                             repetition_penalty=1.05)]
+
+    def run(speculative_config):
+        engine = LLMEngine(tiny_model(), num_kv_blocks=64, block_size=4, speculative_config=speculative_config)
+        for i, p in enumerate(params):
+            engine.add_request(f"r{i}", prompt, p)
+        engine.add_request("r2", prompt, params[0], prompt_of="r0")
+        outs = {}
+        while engine.has_unfinished():
+            outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert engine.kv_cache.manager.num_free_blocks == 64
+        return outs, engine.stats()
+
+    off, _ = run(None)
+    on, stats = run({"method": "ngram", "num_speculative_tokens": 3})
+    assert stats["num_accepted_tokens"] > 0
+    assert [on[f"r{i}"].token_ids for i in range(3)] == [off[f"r{i}"].token_ids for i in range(3)]
+    assert on["r2"].token_ids == on["r0"].token_ids
+    for got, want in zip(on["r0"].logprobs, off["r0"].logprobs, strict=True):
+        assert got.token_id == want.token_id and got.logprob == pytest.approx(want.logprob, abs=1e-9)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
