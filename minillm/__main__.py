@@ -79,7 +79,6 @@ def cmd_generate(args) -> int:
     request's length, finish reason, TTFT and TPOT on stderr."""
     from minillm import LLM, SamplingParams
     from minillm.engine.loader import torch_dtype
-    from minillm.server.detokenizer import Detokenizer
 
     if (args.prompt is None) == (args.token_ids is None):
         raise CLIError("give exactly one of --prompt TEXT or --token-ids 1,2,3")
@@ -99,11 +98,9 @@ def cmd_generate(args) -> int:
         llm.add_request("cli", prompt, params)
     except ValueError as err:
         raise CLIError(str(err)) from None
-    text = Detokenizer(llm.tokenizer)
     while llm.has_unfinished():
         for out in llm.step():
-            text.add(out.new_token_ids, finished=out.finished)
-            print(text.take(finished=out.finished), end="", flush=True)
+            print(out.new_text or "", end="", flush=True)
     if llm.tokenizer is None:
         print(" ".join(map(str, out.token_ids)), end="")
     print(flush=True)

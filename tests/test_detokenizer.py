@@ -1,8 +1,8 @@
-"""Incremental detokenization and stop strings (chapter: serving over HTTP): the pieces a stream
+"""Incremental detokenization and stop strings (the engine's, so offline `LLM` has them too): the pieces a stream
 sends add up to the whole text, never half a character, never text a stop string cuts off."""
 import pytest
 
-from minillm.server.detokenizer import Detokenizer
+from minillm.engine.detokenizer import Detokenizer
 
 PIECES = {0: b"he", 1: b"llo", 2: b" wo", 3: b"rld", 4: b"\xe4\xbd", 5: b"\xa0", 6: b"!", 7: b""}
 SPECIAL = 7  # decodes to nothing, like an end-of-sequence token with skip_special_tokens
@@ -20,9 +20,10 @@ def stream(ids, stop=(), finish=True, min_tokens=0):
     text = Detokenizer(ByteTokenizer(), stop, min_tokens)
     pieces = []
     for i, token in enumerate(ids):
-        last = finish and i == len(ids) - 1
-        text.add([token], finished=last)
-        pieces.append(text.take(finished=last or text.stopped))
+        text.add([token])
+        if finish and i == len(ids) - 1:
+            text.finish()
+        pieces.append(text.take())
         if text.stopped:
             break
     return pieces, text
@@ -58,13 +59,15 @@ def test_text_a_stop_string_might_start_with_is_held_back():
     assert text.take() == "ell"
     text.add([3])
     assert text.take() == "o w" and not text.stopped  # "lo wo" is not the stop string
-    assert text.take(finished=True) == "orld"
+    text.finish()
+    assert text.take() == "orld"
 
 
 def test_without_a_tokenizer_only_ids_count():
     text = Detokenizer(None)
-    text.add([1, 2, 3], finished=True)
-    assert (text.text, text.take(finished=True), text.token_ids) == ("", "", [1, 2, 3])
+    text.add([1, 2, 3])
+    text.finish()
+    assert (text.text, text.take(), text.token_ids) == ("", "", [1, 2, 3])
 
 
 def test_no_stop_string_counts_before_min_tokens():
@@ -83,7 +86,20 @@ def test_several_tokens_in_one_step_stop_where_one_token_a_step_would():
     _, one_a_step = stream(ids, stop=["llo"], min_tokens=3)
     text = Detokenizer(ByteTokenizer(), ["llo"], 3)
     text.add(ids[:3])
-    text.add(ids[3:], finished=True)
+    assert text.add(ids[3:])
     assert (text.stopped, text.text, text.token_ids) == (True, "hello worldhe", ids[:6])
     assert (text.text, text.token_ids) == (one_a_step.text, one_a_step.token_ids)
-    assert text.take(finished=True) == "hello worldhe"
+    assert text.take() == "hello worldhe"
+
+
+def test_without_stop_strings_nothing_is_decoded_until_asked():
+    """A step pays for no text nobody reads: the ids wait until take(), which decodes them at once
+    and gives what one take per token would."""
+    ids = [0, 1, 4, 5, 2, 3, SPECIAL, 6]
+    text = Detokenizer(ByteTokenizer())
+    text.add(ids[:5])
+    assert text.text == ""
+    assert text.take() == "hello你 wo"
+    text.add(ids[5:])
+    text.finish()
+    assert text.take() == "rld!" and text.sent == "".join(stream(ids)[0])

@@ -3,7 +3,8 @@ driven with the official ``openai`` client and httpx: streamed and gathered answ
 concurrency changes no token (float64), chat goes through the chat template, every bad input gets
 its status and OpenAI's error body with nothing queued (unknown fields refused by name, counted by
 reason, the parameter named as the client sent it), vLLM's min_tokens and continuous usage stats,
-vLLM's metric meanings (prompts counted once, every token gap), a client that hangs up frees its KV blocks
+the sampling fields (n, logprobs in both shapes, echo, penalties, logit_bias, min_p, stop)
+through the official client, vLLM's metric meanings (prompts counted once, every token gap), a client that hangs up frees its KV blocks
 within a second, a full queue answers 503, SIGTERM exits 0, and a soak of a few hundred requests
 with random hang-ups loses no request and leaks no block."""
 import asyncio
@@ -226,6 +227,107 @@ def test_stop_strings_cut_the_text_before_them(chat_server):
     wait_until_idle(chat_server)
 
 
+def test_n_choices_are_indexed_streamed_and_count_the_prompt_once(chat_server):
+    client = client_for(chat_server)
+    args = dict(model="tiny-chat", max_tokens=8, temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    whole = client.completions.create(prompt="Hello world, the KV cache", n=3, **args)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert len({c.text for c in whole.choices}) > 1  # seeds 5, 6, 7: three different answers
+    alone = client.completions.create(prompt="Hello world, the KV cache", n=1, **args)
+    assert alone.choices[0].text == whole.choices[0].text  # the first answer draws from seed 5
+    assert whole.usage.completion_tokens == 24 and whole.usage.prompt_tokens == alone.usage.prompt_tokens
+    texts = {}
+    for chunk in client.completions.create(prompt="Hello world, the KV cache", n=3, stream=True, **args):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {c.index: c.text for c in whole.choices}
+
+    greedy = dict(model="tiny-chat", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    two = client.completions.create(prompt=["Hello", "Twenty colleagues"], n=2, **greedy)
+    single = [client.completions.create(prompt=p, **greedy).choices[0].text for p in ("Hello", "Twenty colleagues")]
+    assert [c.text for c in two.choices] == [single[0]] * 2 + [single[1]] * 2
+    messages = [{"role": "user", "content": "Hello server"}]
+    chat = client.chat.completions.create(model="tiny-chat", messages=messages, n=2, max_tokens=6, seed=1)
+    streamed = {}
+    for chunk in client.chat.completions.create(model="tiny-chat", messages=messages, n=2, max_tokens=6,
+                                                seed=1, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert streamed == {c.index: c.message.content for c in chat.choices}
+    wait_until_idle(chat_server)
+
+
+def test_logprobs_in_openais_two_shapes_streamed_too(chat_server):
+    client = client_for(chat_server)
+    args = dict(model="tiny-chat", prompt="Hello server", max_tokens=6, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    whole = client.completions.create(logprobs=3, **args).choices[0]
+    lp = whole.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 4 and value < 0 and top[token] == value  # tokens may read alike: "\ufffd"
+        assert value == max(top.values())  # greedy takes the most likely token
+    assert [b - a for a, b in zip(lp.text_offset, lp.text_offset[1:])] == [len(t) for t in lp.tokens[:-1]]
+    chunks = list(client.completions.create(logprobs=3, stream=True, **args))
+    assert sum((c.choices[0].logprobs.token_logprobs for c in chunks), []) == lp.token_logprobs
+    assert sum((c.choices[0].logprobs.text_offset for c in chunks), []) == lp.text_offset
+    assert client.completions.create(**args).choices[0].logprobs is None
+
+    messages = [{"role": "user", "content": "Hello server"}]
+    chat = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
+        assert entry.bytes == list(entry.token.encode())
+    streamed = [e for c in client.chat.completions.create(
+        model="tiny-chat", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+        stream=True) if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs=true"):
+        client.chat.completions.create(model="tiny-chat", messages=messages, top_logprobs=2)
+    wait_until_idle(chat_server)
+
+
+def test_echo_puts_the_prompt_before_the_answer(chat_server):
+    client = client_for(chat_server)
+    args = dict(model="tiny-chat", prompt="Hello server", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**args).choices[0].text
+    assert client.completions.create(echo=True, **args).choices[0].text == "Hello server" + plain
+    chunks = list(client.completions.create(echo=True, stream=True, **args))
+    assert "".join(c.choices[0].text for c in chunks) == "Hello server" + plain
+
+
+def test_penalties_bias_min_p_and_stop_answer_as_the_offline_engine_does(chat_server):
+    """The server passes every sampling field to the engine: its answer is the offline ``LLM``'s
+    for the same params, token for token; a +100 bias forces its token."""
+    from minillm import LLM, SamplingParams
+
+    client = client_for(chat_server)
+    llm = LLM(chat_server.tokenizer_dir, device="cpu", num_kv_blocks=64, block_size=8, max_model_len=256)
+    prompt, forced = "Hello world, hello", llm.prompt_token_ids(" stream")[0]
+    fields = dict(temperature=0.9, seed=3, max_tokens=16, presence_penalty=0.5, frequency_penalty=1.0,
+                  logit_bias={7: 4.0, 9: -3.0})
+    extra = dict(repetition_penalty=1.3, min_p=0.05, ignore_eos=True)
+    served = client.completions.create(model="tiny-chat", prompt=prompt, extra_body={**extra, "return_token_ids": True},
+                                       **{**fields, "logit_bias": {"7": 4.0, "9": -3.0}}).choices[0]
+    (offline,) = llm.generate([prompt], SamplingParams(**fields, **extra), use_tqdm=False)
+    assert served.token_ids == offline.token_ids and served.text == offline.text
+    plain = llm.generate([prompt], SamplingParams(temperature=0.9, seed=3, max_tokens=16, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert plain.token_ids != offline.token_ids
+    biased = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=4, logit_bias={str(forced): 100},
+                                       extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
+    assert biased.token_ids == [forced] * 4
+    stop = offline.text[4:7]
+    stopped = client.completions.create(model="tiny-chat", prompt=prompt, stop=stop, extra_body=extra,
+                                        **{**fields, "logit_bias": {"7": 4.0, "9": -3.0}}).choices[0]
+    assert (stopped.text, stopped.finish_reason) == (offline.text[:offline.text.index(stop)], "stop")
+    wait_until_idle(chat_server)
+
+
 def test_min_tokens_holds_off_stop_tokens_and_stop_strings(chat_server):
     """The token that would stop the answer is masked until min_tokens are out (the answer runs
     past it); a stop string counts only once min_tokens are out; min_tokens > max_tokens is a 400."""
@@ -327,7 +429,7 @@ BAD_INPUTS = [  # (endpoint, body or raw text, status, words the message must co
     ("completions", {"prompt": [1, 2], "temperature": -0.5}, 400, "temperature"),
     ("completions", {"prompt": [1, 2], "top_p": 0}, 400, "top_p"),
     ("completions", {"prompt": [1, 2], "top_p": 1.5}, 400, "top_p"),
-    ("completions", {"prompt": [1, 2], "n": 2}, 400, "n must be 1"),
+    ("completions", {"prompt": [1, 2], "n": 0}, 400, "n must be an int >= 1"),
     ("completions", '{"prompt": [1, 2], "max_tokens": ', 400, "not valid JSON"),
     ("completions", "[1, 2]", 400, "JSON object"),
     ("completions", {"prompt": [1, 2], "max_tokens": 1.5}, 400, "max_tokens"),
@@ -339,9 +441,16 @@ BAD_INPUTS = [  # (endpoint, body or raw text, status, words the message must co
     ("completions", {"prompt": []}, 400, "empty"),
     ("completions", {"prompt": "text"}, 400, "no tokenizer"),
     ("completions", {"prompt": [1, 2], "stop": "x"}, 400, "stop strings need a tokenizer"),
-    ("completions", {"prompt": [1, 2], "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"prompt": [1, 2], "logprobs": 21}, 400, "logprobs must be None or an int in [0, 20]"),
+    ("completions", {"prompt": [1, 2], "logprobs": 1, "echo": True}, 400, "echo with logprobs"),
+    ("completions", {"prompt": [1, 2], "logit_bias": {"256": 5}}, 400, "logit_bias: token ids must be in [0, 256)"),
+    ("completions", {"prompt": [1, 2], "logit_bias": {"one": 5}}, 400, "logit_bias: keys must be token ids"),
+    ("completions", {"prompt": [1, 2], "logit_bias": {"1": 101}}, 400, "logit_bias must map"),
+    ("completions", {"prompt": [1, 2], "presence_penalty": 2.5}, 400, "presence_penalty must be"),
+    ("completions", {"prompt": [1, 2], "repetition_penalty": 0}, 400, "repetition_penalty must be"),
     ("completions", {"prompt": [1, 2], "best_of": 2}, 400, "best_of is not supported"),
-    ("completions", {"prompt": [1, 2], "min_p": 0.1}, 400, "unknown field 'min_p'"),
+    ("completions", {"prompt": [1, 2], "min_p": 1.5}, 400, "min_p must be"),
+    ("completions", {"prompt": [1, 2], "min_q": 0.1}, 400, "unknown field 'min_q'"),
     ("completions", {"prompt": [1, 2], "stream": True,
                      "stream_options": {"include_usage": True, "chunk_size": 4}}, 400,
      "unknown field 'stream_options.chunk_size'"),

@@ -120,18 +120,38 @@ class LLMEngine:
 
     # -- requests in -----------------------------------------------------------------------------
     def add_request(self, request_id, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, prompt_of=None) -> None:
         """Queue a prompt (text, or token ids). ``arrival_time`` is on the engine clock
-        (:meth:`now`); default now. Invalid requests raise ``ValueError`` and change nothing."""
+        (:meth:`now`); default now. ``prompt_of``: an unfinished request with the same prompt whose
+        prompt KV blocks this one shares (another answer to it, ``n`` > 1). Invalid requests raise
+        ``ValueError`` and change nothing."""
         arrival = self.now() if arrival_time is None else arrival_time
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        self.check_params(params)
         token_ids = self.prompt_token_ids(prompt)
-        request = Request(str(request_id), token_ids, params, arrival_time=arrival)
+        if prompt_of is not None:
+            parent = self.scheduler.requests.get(str(prompt_of))
+            if parent is None or parent.prompt_token_ids != token_ids:
+                raise ValueError(f"prompt_of={prompt_of!r} must name an unfinished request with the same prompt")
+            prompt_of = parent.request_id
+        request = Request(str(request_id), token_ids, params, arrival_time=arrival,
+                          tokenizer=self.tokenizer, prompt_of=prompt_of)
         request.metrics.tokenized_time = self.now()
         self.scheduler.add_request(request)
         self.runner.add_generator(request.request_id, params.seed)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What ``SamplingParams`` cannot check alone, against this model: ``ValueError`` (its
+        message starts with the field's name) for stop strings without a tokenizer or a
+        ``logit_bias`` token outside the vocabulary."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer and this model has none: use stop_token_ids")
+        vocab = self.model.config.vocab_size
+        outside = [t for t in params.logit_bias if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {outside[:5]}")
 
     def prompt_token_ids(self, prompt) -> list[int]:
         """A prompt (text, or token ids) as token ids checked against the vocabulary;
@@ -175,15 +195,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
-    def abort(self, request_id, reason: str = "abort") -> None:
-        """Stop a request now; its final output comes with the next step. ``reason``: "abort", or
-        "stop" when a front end ends it on a stop string it found in the text."""
-        if reason not in ("abort", "stop"):
-            raise ValueError(f"reason must be 'abort' or 'stop', got {reason!r}")
+    def abort(self, request_id) -> None:
+        """Stop a request now (finish reason "abort"); its final output comes with the next step."""
         request = self.scheduler.abort(str(request_id))
-        request.finish_reason = reason
         self._retire(request, self.now())
-        self._aborted.append(self._output(request, []))
+        self._aborted.append(RequestOutput(request, []))
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -202,24 +218,18 @@ class LLMEngine:
             if self.workers is None:
                 raise
             raise self.workers.failed(err) from err
-        finished = self.scheduler.update(scheduled, sampled)
+        finished = self.scheduler.update(scheduled, sampled, self.runner.logprobs)
         end = self.now()
         self.recorder.record_step(scheduled, sampled, start, end, free_before,
                                   self.kv_cache.manager.num_free_blocks)
         for request in finished:
             self._retire(request, end)
-        return outputs + [self._output(r, sampled[r.request_id]) for r, _ in scheduled.scheduled
+        return outputs + [RequestOutput(r, sampled[r.request_id]) for r, _ in scheduled.scheduled
                           if r.request_id in sampled]
 
     def _retire(self, request: Request, when: float) -> None:
         self.recorder.record_finish(request, when)
         self.runner.drop_generator(request.request_id)
-
-    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
-        text = None
-        if request.is_finished and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        return RequestOutput(request, new_token_ids, text)
 
     # -- what happened -----------------------------------------------------------------------------
     def reset_metrics(self) -> None:

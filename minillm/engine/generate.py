@@ -13,7 +13,7 @@ import torch
 from minillm.engine.contiguous_cache import ContiguousKVCache
 from minillm.engine.kv_cache import KVCache
 from minillm.engine.model import Transformer
-from minillm.engine.sampling import SamplingParams, make_generator, mask_early_stops, sample
+from minillm.engine.sampling import SamplingParams, apply_penalties, make_generator, mask_early_stops, sample
 
 
 def generate(model: Transformer, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -45,6 +45,7 @@ def generate(model: Transformer, prompts: list[list[int]], params: SamplingParam
         params = [params_list[r] for r in running]
         logits = mask_early_stops(logits, params, [len(outputs[r]) for r in running],
                                   model.config.eos_token_ids)
+        logits = apply_penalties(logits, params, [prompts[r] for r in running], [outputs[r] for r in running])
         tokens = sample(logits, params, [generators[r] for r in running]).tolist()
         still_running = []
         for row, token in zip(running, tokens):
@@ -92,6 +93,9 @@ def _check_prompts(config, prompts, params_list: list[SamplingParams]) -> None:
                              f"got {type(prompt).__name__}")
         if not prompt:
             raise ValueError(f"prompt {i} is empty")
+        if params.stop or params.logprobs is not None:
+            raise ValueError(f"prompt {i}: generate returns token ids only; stop strings and logprobs "
+                             f"need the engine (minillm.LLM)")
         bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)
                or not 0 <= t < config.vocab_size]
         if bad:

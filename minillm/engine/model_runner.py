@@ -4,7 +4,8 @@
 cache for the step's input ids, positions and attention metadata (one host-to-device copy), runs
 the flat batch through the model (a decode step replays a CUDA graph) and samples the next token of
 every request whose tokens are now all computed (its stop tokens masked while it is short of
-``min_tokens``): one device-to-host copy. A request with proposed tokens (speculative decoding)
+``min_tokens``, its logit bias and penalties applied): one device-to-host copy, and one more for
+the logprobs of the requests that ask for them. A request with proposed tokens (speculative decoding)
 feeds them after its last token (a draft of the model's first layers drafts them first, on the
 same cache); :func:`~minillm.engine.speculative.verify` turns the logits at its positions into the
 tokens it keeps.
@@ -20,7 +21,8 @@ from minillm.engine.model import Transformer
 from minillm.engine.paged_cache import PagedKVCache
 from minillm.engine.request import Request
 from minillm.engine.quantization import warmup_quantized
-from minillm.engine.sampling import make_generator, mask_early_stops, sample
+from minillm.engine.sampling import (TokenLogprob, apply_penalties, make_generator, mask_early_stops, sample,
+                                     token_logprobs)
 from minillm.engine.scheduler import SchedulerOutput
 from minillm.engine.speculative import LayerDraft, verify
 
@@ -54,6 +56,7 @@ class ModelRunner:
         spec = config.speculative_config
         self.draft = LayerDraft(model, kv_cache, spec) if spec is not None and spec.method == "draft_layers" else None
         self.draft_probs: dict[str, torch.Tensor] = {}  # this step's q rows of the drawn drafts
+        self.logprobs: dict[str, list[TokenLogprob]] = {}  # this step's, for the requests that ask
 
     def add_generator(self, request_id: str, seed: int | None) -> None:
         generator = make_generator(seed, self.device)
@@ -67,7 +70,9 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> dict[str, list[int]]:
         """Run the scheduled tokens; return request_id -> sampled tokens for every request whose
         tokens are now all computed (a finished prompt or a decode): its next token, or with
-        proposed tokens those of them the target accepts and one more."""
+        proposed tokens those of them the target accepts and one more. The logprobs of the requests
+        that ask for them are in :attr:`logprobs` until the next step (one per sampled token)."""
+        self.logprobs = {}
         self.kv.swap(output.blocks_to_swap_out, output.blocks_to_swap_in)
         self.draft_probs = (self.draft.propose([r for r, _ in output.scheduled if r.num_spec_tokens], self.generators)
                             if self.draft is not None and output.num_draft_tokens else {})
@@ -93,18 +98,40 @@ class ModelRunner:
             return {}
         if len(last_rows) < len(hidden):  # only the rows whose next token is due
             hidden = hidden[torch.tensor(last_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)
+        raw = logits = self.model.compute_logits(hidden)
         rows = [(r, j) for r in sampled_requests for j in range(len(r.spec_token_ids) + 1)]
         params = [r.params for r, _ in rows]
         if any(len(r.output_token_ids) + j < r.params.min_tokens for r, j in rows):
             logits = mask_early_stops(logits, params, [len(r.output_token_ids) + j for r, j in rows],
                                       self.model.config.eos_token_ids)
+        if any(p.penalized for p in params):
+            logits = apply_penalties(logits, params, [r.prompt_token_ids for r, _ in rows],
+                                     [r.output_token_ids + r.spec_token_ids[:j] for r, j in rows])
         if not output.num_draft_tokens:
             generators = ([self.generators.get(r.request_id) for r in sampled_requests] if self.generators
                           else [None] * len(sampled_requests))
             tokens = sample(logits, params, generators).tolist()
-            return {r.request_id: [t] for r, t in zip(sampled_requests, tokens, strict=True)}
-        return self._verify(sampled_requests, logits)
+            sampled = {r.request_id: [t] for r, t in zip(sampled_requests, tokens, strict=True)}
+        else:
+            sampled = self._verify(sampled_requests, logits)
+        if any(p.logprobs is not None for p in params):
+            self._logprobs(sampled_requests, sampled, raw)
+        return sampled
+
+    def _logprobs(self, requests: list[Request], sampled: dict[str, list[int]], logits: torch.Tensor) -> None:
+        """:attr:`logprobs` of the requests that ask: each sampled token's row of raw logits."""
+        rows, tokens, asking, row = [], [], [], 0
+        for request in requests:
+            got = sampled[request.request_id]
+            if request.params.logprobs is not None:
+                rows += range(row, row + len(got))
+                tokens += got
+                asking.append(request)
+            row += len(request.spec_token_ids) + 1
+        found = iter(token_logprobs(logits[torch.tensor(rows, device=logits.device)], tokens,
+                                    [r.params.logprobs for r in asking for _ in sampled[r.request_id]]))
+        for request in asking:
+            self.logprobs[request.request_id] = [next(found) for _ in sampled[request.request_id]]
 
     def _verify(self, requests: list[Request], logits: torch.Tensor) -> dict[str, list[int]]:
         """A step with proposals: each request's rows verified, the others sampled as usual."""

@@ -2,15 +2,18 @@
 
 A :class:`Request` holds its tokens, its progress through the KV cache, its own counters (prefix
 hits, preemptions) and :class:`RequestMetrics`, the timestamps of its life on the engine's clock.
-A :class:`RequestOutput` is what the caller gets back after each step: the tokens so far, the ones
-just made (for streaming) and, at the end, why it stopped.
+Its :class:`~minillm.engine.detokenizer.Detokenizer` turns its tokens into text and finds its stop
+strings. A :class:`RequestOutput` is what the caller gets back after each step: the tokens and text
+so far, the ones just made (for streaming), their logprobs if asked for and, at the end, why it
+stopped.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import InitVar, asdict, dataclass, field
 
-from minillm.engine.sampling import SamplingParams
+from minillm.engine.detokenizer import Detokenizer
+from minillm.engine.sampling import SamplingParams, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -99,15 +102,21 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (GPU pool)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at its first admission (vLLM's name)
+    num_cached_tokens: int = 0  # prompt tokens it did not compute at its first admission: the prefix
+    # cache served them, or its prompt_of request shared them (vLLM's name)
     num_preemptions: int = 0
     num_spec_tokens: int = 0  # proposed tokens this step verifies (the scheduler decides how many)
     spec_token_ids: list[int] = field(default_factory=list)  # those tokens (vLLM's name); a draft model's
     # are filled in by the model runner when the step runs
+    tokenizer: object = None  # for its text and stop strings; None: token ids only
+    prompt_of: str | None = None  # the request whose prompt KV blocks it shares (n > 1)
     metrics: RequestMetrics = field(init=False)
+    detokenizer: Detokenizer = field(init=False)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked for
 
     def __post_init__(self, arrival_time: float):
         self.metrics = RequestMetrics(arrival_time, num_prompt_tokens=len(self.prompt_token_ids))
+        self.detokenizer = Detokenizer(self.tokenizer, self.params.stop, self.params.min_tokens)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -147,13 +156,16 @@ class Request:
 
 class RequestOutput:
     """A request after one step: the tokens that step made (``new_token_ids``, for streaming) and,
-    through ``token_ids``, all its generated tokens so far (copied only when read). ``text`` is
-    decoded once the request has finished (when there is a tokenizer)."""
+    through ``token_ids``, all its generated tokens so far (copied only when read). With a
+    tokenizer, ``new_text`` is the text safe to send since the last output and ``text`` all of it
+    so far (the whole answer once finished, cut before a stop string); None without one.
+    ``new_logprobs``: one :class:`~minillm.engine.sampling.TokenLogprob` per new token when the
+    request asked for logprobs (all of them so far: ``logprobs``), else None."""
 
     __slots__ = ("request_id", "prompt_token_ids", "new_token_ids", "finished", "finish_reason", "metrics",
-                 "num_cached_tokens", "text", "_outputs", "_num_outputs")
+                 "num_cached_tokens", "new_text", "text", "new_logprobs", "_request", "_num_outputs")
 
-    def __init__(self, request: Request, new_token_ids: list[int], text: str | None = None):
+    def __init__(self, request: Request, new_token_ids: list[int]):
         self.request_id = request.request_id
         self.prompt_token_ids = request.prompt_token_ids
         self.new_token_ids = new_token_ids
@@ -161,12 +173,20 @@ class RequestOutput:
         self.finish_reason = request.finish_reason  # "stop" | "length" | "abort" once finished
         self.metrics = request.metrics
         self.num_cached_tokens = request.num_cached_tokens  # prompt tokens served by the prefix cache
-        self.text = text
-        self._outputs, self._num_outputs = request.output_token_ids, len(request.output_token_ids)
+        text = request.detokenizer
+        self.new_text = text.take() if request.tokenizer is not None else None
+        self.text = text.sent if request.tokenizer is not None else None
+        self.new_logprobs = (request.logprobs[len(request.logprobs) - len(new_token_ids):]
+                             if request.params.logprobs is not None else None)
+        self._request, self._num_outputs = request, len(request.output_token_ids)
 
     @property
     def token_ids(self) -> list[int]:
-        return self._outputs[:self._num_outputs]
+        return self._request.output_token_ids[:self._num_outputs]
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self._request.logprobs[:self._num_outputs] if self._request.params.logprobs is not None else None
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids}, "

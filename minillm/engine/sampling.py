@@ -1,22 +1,35 @@
 """Choosing the next token from the logits (chapter 解码).
 
-Temperature 0 is greedy (argmax). While a request has fewer than ``min_tokens`` outputs, its stop
-tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) are masked out of the logits first, so
-neither greedy nor a draw can end it early (vLLM's rule). Otherwise the logits are divided by the temperature, cut to the
-``top_k`` best tokens and to the smallest set whose probability reaches ``top_p``, and one token is
+vLLM's order, batched over the rows: the raw logits give the logprobs a request asks for. While a
+request has fewer than ``min_tokens`` outputs, its stop tokens (EOS unless ``ignore_eos``, and
+``stop_token_ids``) are masked out, so neither greedy nor a draw can end it early. Then
+``logit_bias`` is added and the penalties applied (:func:`apply_penalties`): repetition (a logit of
+a token seen in the prompt or the output divided by it when positive, multiplied when negative),
+frequency (minus it times the token's count in the output) and presence (minus it once the token
+is in the output). Temperature 0 is greedy (argmax). Otherwise the logits are divided by the
+temperature, cut to the ``top_k`` best tokens, to the smallest set whose probability reaches
+``top_p`` and to the tokens at least ``min_p`` times as likely as the best one, and one token is
 drawn. Each request may carry its own seeded ``torch.Generator``, so its draws do not depend on
 which other requests share the batch.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 
+MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's and vLLM's bound)
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -31,6 +44,13 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past the model's end-of-sequence tokens
     stop_token_ids: tuple[int, ...] = ()  # extra tokens that end the request (and are returned)
     seed: int | None = None  # per-request random seed; None = the global generator
+    stop: tuple[str, ...] = ()  # strings that end the text before them (needs a tokenizer)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token in the output
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    repetition_penalty: float = 1.0  # divides (multiplies, if negative) the logits of tokens seen
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_p: float = 0.0  # drop tokens less likely than min_p times the best one
+    logprobs: int | None = None  # the sampled token's logprob and this many top ones; None = none
 
     def __post_init__(self):
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
@@ -55,10 +75,45 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a sequence of token ids (ints >= 0), "
                              f"got {self.stop_token_ids!r}")
         self.stop_token_ids = tuple(self.stop_token_ids)
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a sequence of strings, got {self.stop!r}")
+        self.stop = tuple(s for s in self.stop if s)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 = none), got {self.repetition_penalty!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.logit_bias, dict) or not all(
+                _is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()):
+            raise ValueError(f"logit_bias must map token ids (ints >= 0) to numbers in [-100, 100], "
+                             f"got {self.logit_bias!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether :func:`apply_penalties` changes this request's logits."""
+        return bool(self.logit_bias) or (self.presence_penalty, self.frequency_penalty,
+                                         self.repetition_penalty) != (0, 0, 1)
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the model (its raw logits, vLLM's default), and
+    the ``top`` most likely tokens' ``(token_id, logprob)``, best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 def make_generator(seed: int | None, device) -> torch.Generator | None:
@@ -84,6 +139,48 @@ def mask_early_stops(logits: torch.Tensor, params_list: list[SamplingParams],
                             torch.tensor(-math.inf, dtype=logits.dtype, device=logits.device))
 
 
+def apply_penalties(logits: torch.Tensor, params_list: list[SamplingParams],
+                    prompts: list[Sequence[int]], outputs: list[Sequence[int]]) -> torch.Tensor:
+    """The logits (float32 at least) with each row's ``logit_bias`` added and its repetition,
+    frequency and presence penalties applied, counted over that row's ``prompts`` and ``outputs``
+    token ids; unchanged when no row asks for any."""
+    if not any(p.penalized for p in params_list):
+        return logits
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    logits, device = logits.to(dtype), logits.device
+
+    def rows_of(lists):
+        rows = [row for row, ids in enumerate(lists) for _ in ids]
+        ids = [t for ids in lists for t in ids]
+        return torch.tensor(rows, dtype=torch.long), torch.tensor(ids, dtype=torch.long)
+
+    bias_rows, bias_ids = rows_of([list(p.logit_bias) for p in params_list])
+    bias = torch.tensor([b for p in params_list for b in p.logit_bias.values()], dtype=dtype)
+    logits = logits.index_put((bias_rows.to(device), bias_ids.to(device)), bias.to(device), accumulate=True)
+    counts = torch.zeros(logits.shape, dtype=dtype)
+    counts.index_put_(rows_of(outputs), torch.ones(()), accumulate=True)
+    seen = counts > 0
+    seen[rows_of(prompts)] = True
+    counts, seen = counts.to(device), seen.to(device)
+    repetition, frequency, presence = torch.tensor(
+        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params_list],
+        dtype=dtype, device=device).T[:, :, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return logits - frequency * counts - presence * (counts > 0)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]) -> list[TokenLogprob]:
+    """Each row's chosen token's logprob and its ``num_top`` best tokens', from raw ``logits``
+    (one device-to-host copy)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
+    top = logprobs.topk(max(num_top), dim=-1) if max(num_top) else None
+    chosen = chosen.tolist()
+    top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if top else ([[]] * len(tokens),) * 2
+    return [TokenLogprob(token, value, list(zip(ids[:k], values[:k])))
+            for token, value, ids, values, k in zip(tokens, chosen, top_ids, top_values, num_top, strict=True)]
+
+
 def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Rows of ``logits`` in float32, divided by their temperatures."""
     temperature = torch.tensor([p.temperature for p in params], device=logits.device)
@@ -91,8 +188,8 @@ def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 
 def _kept_probs(scaled: torch.Tensor, params: list[SamplingParams]):
-    """Rows of ``scaled`` logits as probabilities in descending order, with the tokens top-k and
-    top-p cut set to zero (not renormalized): ``(probs, order, keep)``."""
+    """Rows of ``scaled`` logits as probabilities in descending order, with the tokens top-k,
+    top-p and min-p cut set to zero (not renormalized): ``(probs, order, keep)``."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
 
@@ -102,6 +199,9 @@ def _kept_probs(scaled: torch.Tensor, params: list[SamplingParams]):
     rank = torch.arange(vocab, device=device)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
     keep = (rank < top_k[:, None]) & (mass_before < top_p[:, None])  # the best token always stays
+    if any(p.min_p for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        keep &= probs >= min_p[:, None] * probs[:, :1]
     return probs * keep, order, keep
 
 

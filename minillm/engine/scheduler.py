@@ -8,6 +8,10 @@ requests in arrival order (FCFS). A long prompt is split over several steps (chu
 does not stall everyone's next token; prompt blocks found in the prefix cache are not computed at
 all. When the KV pool runs out, the most recently admitted request is preempted: by *recompute*
 (drop its KV and compute it again later) or by *swap* (copy its KV blocks to a CPU pool and back).
+A request made ``prompt_of`` another (one of ``n`` answers to a prompt) shares that request's full
+prompt blocks instead of computing them: it is admitted once they are computed by the end of the
+step, and computes only the tail of its prompt (one request writes the blocks, every layer stores
+a step's KV before attending, so the same step may read them).
 With speculative decoding on, a request due for its next token also computes the tokens
 :mod:`minillm.engine.speculative` proposes for it, if the budget and the pool have room for them;
 :meth:`Scheduler.update` keeps the accepted ones and gives back the rejected ones' KV slots.
@@ -126,8 +130,10 @@ class Scheduler:
         return request
 
     def _finish(self, request: Request, reason: str) -> None:
+        """The one place a request's finish reason is written: "stop", "length" or "abort"."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        request.detokenizer.finish()
         self.kv.free(request.request_id)  # whatever it holds, in the pool or swapped out
         del self.requests[request.request_id]
 
@@ -176,7 +182,11 @@ class Scheduler:
                 break
             request = self.waiting[0]
             fresh = request.num_computed_tokens == 0
-            prefix = self.kv.cached_prefix(request.all_token_ids) if fresh else []
+            shared = self._shared_prompt(request, scheduled) if fresh else []
+            if shared is None:  # its prompt's blocks are still being computed, within the budget
+                stop = "token_budget"
+                break
+            prefix = shared or (self.kv.cached_prefix(request.all_token_ids) if fresh else [])
             num_computed = request.num_computed_tokens + len(prefix) * self.kv.block_size
             num_new = self._num_new_tokens(request.num_tokens - num_computed, budget)
             if num_new == 0 or not self.kv.allocate(request.request_id, num_computed + num_new, prefix):
@@ -185,7 +195,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.swapped_out:
                 swap_in += self.kv.swap_in(request.request_id)
-            if fresh:
+            if fresh and not shared:
                 queries += request.num_tokens
                 cached_total += num_computed
             if request.status is RequestStatus.WAITING:  # its first admission
@@ -201,6 +211,19 @@ class Scheduler:
                                swap_out, swap_in, queries, cached_total, stop if self.waiting else None,
                                len(self.running), len(self.waiting), num_drafts, num_draft,
                                num_accepted_tokens_per_pos=[0] * self.num_speculative_tokens)
+
+    def _shared_prompt(self, request: Request, scheduled: list[tuple[Request, int]]) -> list[int] | None:
+        """The blocks of its ``prompt_of`` request's prompt that a request starts with (the full
+        ones before the last prompt token, whose logits it needs): ``[]`` when it shares none (no
+        such request running), None when they are not all computed by the end of this step."""
+        parent = self.requests.get(request.prompt_of) if request.prompt_of is not None else None
+        if parent is None or parent.status is not RequestStatus.RUNNING:
+            return []
+        num_blocks = (request.num_prompt_tokens - 1) // self.kv.block_size
+        computed = parent.num_computed_tokens + next((n for r, n in scheduled if r is parent), 0)
+        if computed < num_blocks * self.kv.block_size:
+            return None
+        return self.kv.manager.block_table(parent.request_id)[:num_blocks]
 
     def _propose(self, request: Request, budget: int) -> None:
         """How many tokens to verify with a request's next one (``request.num_spec_tokens``):
@@ -257,14 +280,16 @@ class Scheduler:
         return swap_out
 
     # -- after the forward pass ------------------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]],
+               logprobs: dict[str, list] | None = None) -> list[Request]:
         """Advance the scheduled requests by their computed tokens and append the sampled ones.
 
         ``sampled`` maps request_id -> new tokens for the requests whose tokens are now all
         computed: one, or with proposals the accepted ones and the target's token after them (the
         rejected ones' KV slots go back). Tokens are appended until one stops the request; each
-        list is cut to the tokens kept. Returns the requests that finished in this step (their
-        blocks are freed).
+        list is cut to the tokens kept. ``logprobs``: request_id -> one per sampled token, for the
+        requests that asked (kept alongside the tokens). Returns the requests that finished in this
+        step (their blocks are freed).
         """
         finished = []
         block_size = self.kv.block_size
@@ -286,6 +311,8 @@ class Scheduler:
                 if reason is not None:
                     del tokens[kept:]
                     break
+            if logprobs and request.request_id in logprobs:
+                request.logprobs += logprobs[request.request_id][:len(tokens)]
             request.num_computed_tokens = min(before + num_new, request.num_tokens)
             if proposed and reason is None:
                 self.kv.truncate(request.request_id, request.num_computed_tokens)
@@ -298,7 +325,11 @@ class Scheduler:
         return finished
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
+        """Why ``token`` (just appended) ends the request: a stop string its text now holds, a stop
+        token ("stop"), or its length ("length"); None if it goes on."""
         params = request.params
+        if request.detokenizer.add([token]):
+            return "stop"
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             return "stop"
         if (len(request.output_token_ids) >= params.max_tokens

@@ -4,7 +4,6 @@ and a launcher for notebooks and tests. It imports the engine; the engine never 
 | file | holds |
 | --- | --- |
 | ``protocol.py`` | request bodies, OpenAI's error body, checks into the engine's ``SamplingParams`` |
-| ``detokenizer.py`` | token ids to text a step at a time, stop strings |
 | ``metrics.py`` | the Prometheus collectors (``minillm:`` names), fed after every step |
 | ``async_engine.py`` | the loop that steps the engine for an event loop; per-request output streams |
 | ``api_server.py`` | the FastAPI app, the endpoints, server-sent events, ``serve`` |

@@ -3,8 +3,13 @@
 :func:`build_app` puts vLLM's OpenAI endpoints over an ``AsyncEngine``:
 
 - ``GET /health``; ``GET /v1/models``; ``GET /metrics`` (Prometheus text, ``minillm:`` names);
-- ``POST /v1/completions``: a prompt as text or token ids, one or a list (one choice each);
+- ``POST /v1/completions``: a prompt as text or token ids, one or a list (``n`` choices each);
 - ``POST /v1/chat/completions``: the messages rendered by the tokenizer's chat template.
+
+Stop strings, penalties, ``logit_bias``, ``min_p`` and logprobs are the engine's
+(``SamplingParams``); ``n`` answers to a prompt are ``n`` engine requests, the later ones made
+``prompt_of`` the first, so its prompt's KV blocks are computed once and shared. Logprobs come in
+OpenAI's two shapes: the legacy one for completions, per-token objects for chat.
 
 A handler checks the request first: every client mistake is a 400 (or 404 for an unknown model)
 with OpenAI's error body, before anything is queued; every error answer is counted by reason in
@@ -17,6 +22,7 @@ those in flight ``shutdown_timeout`` seconds to finish, aborts the rest and retu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -34,11 +40,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from minillm.engine.engine import LLMEngine
+from minillm.engine.sampling import TokenLogprob
 from minillm.server.async_engine import AsyncEngine, NotAccepting, OutputStream, QueueFull
-from minillm.server.detokenizer import Detokenizer
 from minillm.server.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                     GenerationRequest, validation_error)
+                                     GenerationRequest, client_fields, validation_error)
 
 logger = logging.getLogger("minillm.server")
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
@@ -46,37 +52,86 @@ LOG_LIMIT = 4096  # steps and finished requests the served engine's recorder kee
 
 
 @dataclass
+class Delta:
+    """What one step added to one choice."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+
+
+@dataclass
 class Call:
-    """One HTTP call in the engine: its prompts, the stream of their outputs, their text so far."""
+    """One HTTP call in the engine: its prompts, ``n`` choices each (choice ``i * n + j`` is the
+    j-th answer to prompt i), the stream of their outputs."""
 
     id: str
     model: str
     prompt_ids: list[list[int]]
     stream: OutputStream
-    texts: list[Detokenizer]
     created: int
+    tokenizer: object
+    echo: list[str]  # per choice, the text before its answer (the prompt's, with echo)
 
-    async def deltas(self) -> AsyncIterator[tuple[int, str, list[int], str | None]]:
-        """(choice index, new text, new token ids, finish reason or None), a step at a time. A stop
-        string ends its request here (finish reason "stop"); the engine hears of it next step."""
+    def __post_init__(self):
+        self.num_tokens = [0] * len(self.echo)  # generated so far, per choice
+        self.offsets = [len(e) for e in self.echo]  # where each choice's next token's text starts
+        self._echoed: set[int] = set()
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Each choice's new text, token ids and logprobs, a step at a time (its echo first); its
+        finish reason once finished."""
         index = {request_id: i for i, request_id in enumerate(self.stream.request_ids)}
         async for output in self.stream:
             i = index[output.request_id]
-            text = self.texts[i]
-            text.add(output.new_token_ids, finished=output.finished)
-            finish = output.finish_reason if output.finished else None
-            if text.stopped:
-                if not output.finished:
-                    self.stream.finish(output.request_id, "stop")
-                finish = "stop"
-            yield i, text.take(finished=finish is not None), output.new_token_ids, finish
+            echo = "" if i in self._echoed else self.echo[i]
+            self._echoed.add(i)
+            self.num_tokens[i] += len(output.new_token_ids)
+            yield Delta(i, echo + (output.new_text or ""), output.new_token_ids, output.new_logprobs,
+                        output.finish_reason if output.finished else None)
 
     def usage(self) -> dict:
-        """Tokens so far: in the last chunk, or in every chunk with continuous_usage_stats."""
+        """Tokens so far: in the last chunk, or in every chunk with continuous_usage_stats (a prompt
+        counts once, whatever its ``n``)."""
         prompt = sum(map(len, self.prompt_ids))
-        completion = sum(len(text.token_ids) for text in self.texts)
+        completion = sum(self.num_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
+
+    def token_text(self, token_id: int) -> str:
+        """A token as text on its own (vLLM's ``token_id:N`` without a tokenizer)."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    def completion_logprobs(self, index: int, logprobs: list[TokenLogprob] | None) -> dict | None:
+        """The legacy completions shape: tokens, their logprobs, the top ones (the sampled token's
+        among them) and each token's offset in the choice's text."""
+        if logprobs is None:
+            return None
+        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(token)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{**{self.token_text(t): v for t, v in lp.top}, token: lp.logprob}
+                                 for token, lp in zip(tokens, logprobs, strict=True)],
+                "text_offset": offsets}
+
+    def chat_logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
+        """The chat shape: one object per token, with its UTF-8 bytes and its top tokens."""
+        if logprobs is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(*top) for top in lp.top]}
+                            for lp in logprobs]}
 
     def chunk(self, kind: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
@@ -149,15 +204,20 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     async def completions(body: CompletionRequest, request: Request):
         arrival = engine.now()
         _check(body, model_name)
-        prompts = [_prompt_ids(engine, prompt) for prompt in body.prompts()]
-        call = _start(async_engine, model_name, "cmpl", body, prompts, arrival)
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs the prompt's logprobs, which minillm does not "
+                                "compute: drop one of them", param="echo", reason="unsupported")
+        texts = body.prompts()
+        prompts = [_prompt_ids(engine, prompt) for prompt in texts]
+        echo = [_echo_text(engine, text, ids) if body.echo else "" for text, ids in zip(texts, prompts)]
+        call = _start(async_engine, model_name, "cmpl", body, prompts, arrival, echo)
         if body.stream:
             return EventStream(_completion_events(call, body), call)
-        choices = await _gather(call, request)
-        for choice in choices:
-            choice["logprobs"] = None
-            if not body.return_token_ids:
-                del choice["token_ids"]
+        choices = [{"index": c["index"], "text": c["text"],
+                    "logprobs": call.completion_logprobs(c["index"], c["logprobs"]),
+                    "finish_reason": c["finish_reason"],
+                    **({"token_ids": c["token_ids"]} if body.return_token_ids else {})}
+                   for c in await _gather(call, request)]
         return call.chunk("text_completion", choices, usage=call.usage())
 
     @v1.post("/chat/completions")
@@ -169,7 +229,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
         if body.stream:
             return EventStream(_chat_events(call, body), call)
         choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                    "logprobs": None, "finish_reason": c["finish_reason"],
+                    "logprobs": call.chat_logprobs(c["logprobs"]), "finish_reason": c["finish_reason"],
                     **({"token_ids": c["token_ids"]} if body.return_token_ids else {})}
                    for c in await _gather(call, request)]
         return call.chunk("chat.completion", choices, usage=call.usage())
@@ -248,28 +308,42 @@ def _chat_prompt(engine: LLMEngine, body: ChatCompletionRequest) -> list[int]:
         raise APIError(400, str(err), param="messages") from None
 
 
+def _echo_text(engine: LLMEngine, prompt: str | list[int], ids: list[int]) -> str:
+    """The prompt as text, for echo: as sent, or its token ids decoded."""
+    if isinstance(prompt, str):
+        return prompt
+    return engine.tokenizer.decode(ids) if engine.tokenizer is not None else ""
+
+
 def _start(async_engine: AsyncEngine, model_name: str, prefix: str, body: GenerationRequest,
-           prompts: list[list[int]], arrival: float) -> Call:
-    """Check lengths and sampling values, then queue one engine request per prompt."""
+           prompts: list[list[int]], arrival: float, echo: list[str] | None = None) -> Call:
+    """Check lengths and sampling values, then queue ``n`` engine requests per prompt, the later
+    ones sharing the first one's prompt blocks."""
     engine = async_engine.engine
-    stop = body.stop_strings
-    if stop and engine.tokenizer is None:
-        raise APIError(400, "stop strings need a tokenizer and this model has none: use "
-                            "stop_token_ids", param="stop")
-    params = [body.sampling_params(_max_tokens(engine.config.max_model_len, len(p),
+    n = body.n
+    params = []
+    for p in prompts:
+        one = body.sampling_params(_max_tokens(engine.config.max_model_len, len(p),
                                                body.requested_max_tokens(), body.max_tokens_field))
-              for p in prompts]
+        with client_fields():
+            engine.check_params(one)
+        # n seeded answers must differ: the j-th draws from seed + j (vLLM's rule)
+        params += [one if one.seed is None or j == 0 else dataclasses.replace(one, seed=(one.seed + j) % 2**64)
+                   for j in range(n)]
     call_id = f"{prefix}-{uuid.uuid4().hex}"
-    request_ids = [f"{call_id}-{i}" for i in range(len(prompts))]
+    request_ids = [f"{call_id}-{i}" for i in range(len(prompts) * n)]
+    prompt_of = [None if i % n == 0 else request_ids[i - i % n] for i in range(len(request_ids))]
     try:
-        stream = async_engine.add(request_ids, prompts, params, arrival)
+        stream = async_engine.add(request_ids, [p for p in prompts for _ in range(n)], params, arrival,
+                                  prompt_of)
     except QueueFull as err:
         raise APIError(503, f"the server is busy: {err}; retry in {RETRY_AFTER_S} s",
                        headers={"Retry-After": str(RETRY_AFTER_S)}, reason="queue_full") from None
     except NotAccepting as err:
         raise APIError(503, str(err)) from None
-    texts = [Detokenizer(engine.tokenizer, stop, body.min_tokens) for _ in prompts]
-    return Call(call_id, model_name, prompts, stream, texts, int(time.time()))
+    echo = echo or [""] * len(prompts)
+    return Call(call_id, model_name, prompts, stream, int(time.time()), engine.tokenizer,
+                [e for e in echo for _ in range(n)])
 
 
 def _max_tokens(max_model_len: int, num_prompt_tokens: int, requested: int | None,
@@ -293,10 +367,12 @@ def _max_tokens(max_model_len: int, num_prompt_tokens: int, requested: int | Non
 # --- answering ------------------------------------------------------------------------------------
 
 async def _completion_events(call: Call, body: CompletionRequest) -> AsyncIterator[dict]:
-    async for index, text, token_ids, finish in call.deltas():
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    async for delta in call.deltas():
+        choice = {"index": delta.index, "text": delta.text,
+                  "logprobs": call.completion_logprobs(delta.index, delta.logprobs),
+                  "finish_reason": delta.finish_reason}
         if body.return_token_ids:
-            choice["token_ids"] = token_ids
+            choice["token_ids"] = delta.token_ids
         yield _with_usage(call, body, call.chunk("text_completion", [choice]))
     if body.include_usage:
         yield call.chunk("text_completion", [], usage=call.usage())
@@ -305,12 +381,13 @@ async def _completion_events(call: Call, body: CompletionRequest) -> AsyncIterat
 async def _chat_events(call: Call, body: ChatCompletionRequest) -> AsyncIterator[dict]:
     kind = "chat.completion.chunk"
     yield _with_usage(call, body, call.chunk(kind, [{
-        "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-        "finish_reason": None}]))
-    async for index, text, token_ids, finish in call.deltas():
-        choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+        "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        "finish_reason": None} for i in range(body.n)]))
+    async for delta in call.deltas():
+        choice = {"index": delta.index, "delta": {"content": delta.text},
+                  "logprobs": call.chat_logprobs(delta.logprobs), "finish_reason": delta.finish_reason}
         if body.return_token_ids:
-            choice["token_ids"] = token_ids
+            choice["token_ids"] = delta.token_ids
         yield _with_usage(call, body, call.chunk(kind, [choice]))
     if body.include_usage:
         yield call.chunk(kind, [], usage=call.usage())
@@ -324,17 +401,20 @@ def _with_usage(call: Call, body: GenerationRequest, chunk: dict) -> dict:
 
 
 async def _gather(call: Call, request: Request) -> list[dict]:
-    """Every choice's text, token ids and finish reason, once all are finished. If the client
-    hangs up first, its requests are aborted and the (undeliverable) answer is a 499."""
+    """Every choice's text, token ids, logprobs (None if not asked for) and finish reason, once all
+    are finished. If the client hangs up first, its requests are aborted and the (undeliverable)
+    answer is a 499."""
 
     async def collect() -> list[dict]:
-        choices = [{"index": i, "text": "", "token_ids": [], "finish_reason": None}
-                   for i in range(len(call.prompt_ids))]
-        async for index, text, token_ids, finish in call.deltas():
-            choice = choices[index]
-            choice["text"] += text
-            choice["token_ids"] += token_ids
-            choice["finish_reason"] = finish
+        choices = [{"index": i, "text": "", "token_ids": [], "logprobs": None, "finish_reason": None}
+                   for i in range(len(call.echo))]
+        async for delta in call.deltas():
+            choice = choices[delta.index]
+            choice["text"] += delta.text
+            choice["token_ids"] += delta.token_ids
+            if delta.logprobs is not None:
+                choice["logprobs"] = (choice["logprobs"] or []) + delta.logprobs
+            choice["finish_reason"] = delta.finish_reason
         return choices
 
     async def hang_up() -> None:

@@ -11,7 +11,7 @@ a time. :class:`AsyncEngine` joins the two with one loop coroutine::
 
 Only the loop touches the engine, and only between steps, so the engine needs no lock. A handler
 gets an :class:`OutputStream` from :meth:`AsyncEngine.add` and reads its requests' outputs step by
-step. When it stops early (the client hung up, a stop string, shutdown) it aborts what is left; the
+step. When it stops early (the client hung up, shutdown) it aborts what is left; the
 abort reaches the engine before the next step, and the request's KV blocks go back to the pool.
 After every step the loop takes the engine's snapshot (``LLMEngine.snapshot``: queues, KV pool,
 counters) for ``/metrics`` and the queue bound, and hands the step's outputs to the histograms
@@ -66,16 +66,11 @@ class OutputStream:
                 return item
         raise StopAsyncIteration
 
-    def finish(self, request_id: str, reason: str = "abort") -> None:
-        """End one request now (``reason`` "stop" for a stop string); nothing more comes from it."""
-        if request_id in self._unfinished:
-            self._unfinished.discard(request_id)
-            self._engine.abort(request_id, reason)
-
     def abort(self) -> None:
         """End every request still unfinished; calling it again does nothing."""
         for request_id in list(self._unfinished):
-            self.finish(request_id)
+            self._unfinished.discard(request_id)
+            self._engine.abort(request_id)
 
 
 class AsyncEngine:
@@ -94,8 +89,8 @@ class AsyncEngine:
         self.accepting = True  # False once shutting down
         self.error: Exception | None = None  # what stopped the loop, if a step failed
         self._streams: dict[str, OutputStream] = {}  # every unfinished request's stream
-        self._to_add: list[tuple[str, list[int], SamplingParams, float]] = []
-        self._to_abort: list[tuple[str, str]] = []
+        self._to_add: list[tuple[str, list[int], SamplingParams, float, str | None]] = []
+        self._to_abort: list[str] = []
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()  # nothing in flight
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="minillm-engine")
@@ -133,15 +128,15 @@ class AsyncEngine:
     def _apply_inbox(self) -> None:
         """Adds first, then aborts: a request aborted before it was ever added is still ended."""
         to_add, self._to_add = self._to_add, []
-        for request_id, prompt, params, arrival in to_add:
+        for request_id, prompt, params, arrival, prompt_of in to_add:
             try:
-                self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+                self.engine.add_request(request_id, prompt, params, arrival_time=arrival, prompt_of=prompt_of)
             except ValueError as err:  # the handler checked the prompt; this is the engine's last word
                 self._streams.pop(request_id).put(err)
         to_abort, self._to_abort = self._to_abort, []
-        for request_id, reason in to_abort:
+        for request_id in to_abort:
             try:
-                self.engine.abort(request_id, reason)
+                self.engine.abort(request_id)
             except ValueError:  # it finished meanwhile
                 pass
 
@@ -155,9 +150,10 @@ class AsyncEngine:
 
     # -- requests in and out -------------------------------------------------------------------------
     def add(self, request_ids: list[str], prompts: list[list[int]], params: list[SamplingParams],
-            arrival_time: float) -> OutputStream:
+            arrival_time: float, prompt_of: list[str | None] | None = None) -> OutputStream:
         """Queue checked prompts for the next step; their outputs come on the returned stream.
-        ``arrival_time`` is on the engine's clock. Raises NotAccepting or QueueFull."""
+        ``arrival_time`` is on the engine's clock; ``prompt_of``: per request, the earlier one whose
+        prompt blocks it shares (``LLMEngine.add_request``). Raises NotAccepting or QueueFull."""
         if not self.accepting:
             raise NotAccepting("the server is shutting down" if self.error is None else
                                f"the engine stopped after an internal error: {self.error!r}")
@@ -165,16 +161,17 @@ class AsyncEngine:
         if self.max_queue is not None and waiting + len(prompts) > self.max_queue:
             raise QueueFull(f"{waiting} requests are waiting (max_queue={self.max_queue})")
         stream = OutputStream(self, request_ids)
-        for request_id, prompt, p in zip(request_ids, prompts, params, strict=True):
-            self._to_add.append((request_id, prompt, p, arrival_time))
+        prompt_of = prompt_of or [None] * len(request_ids)
+        for request_id, prompt, p, parent in zip(request_ids, prompts, params, prompt_of, strict=True):
+            self._to_add.append((request_id, prompt, p, arrival_time, parent))
             self._streams[request_id] = stream
         self._idle.clear()
         self._wakeup.set()
         return stream
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
+    def abort(self, request_id: str) -> None:
         """End a request before the next step (its KV blocks return to the pool)."""
-        self._to_abort.append((request_id, reason))
+        self._to_abort.append(request_id)
         self._wakeup.set()
 
     # -- shutdown ------------------------------------------------------------------------------------

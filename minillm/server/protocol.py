@@ -3,7 +3,7 @@
 The pydantic models check types only (strictly: ``true`` is no token id, ``1.5`` no ``max_tokens``).
 Values are checked once, by the engine's own ``SamplingParams``, whose ``ValueError`` becomes a
 400 naming the field the client sent (``max_completion_tokens`` when that is how it asked).
-Fields minillm cannot honour (``n > 1``, logprobs, penalties, ...) are refused by name rather
+Fields minillm cannot honour (``best_of``, ``suffix``, tools, ...) are refused by name rather
 than silently ignored, and so is every field it does not know (``minillm`` refuses what vLLM would
 log as ignored and drop: an answer computed without a setting the client sent is not the answer
 it asked for). A field sent as ``null`` counts as not sent, and a few of OpenAI's fields that
@@ -14,6 +14,8 @@ server's log and its ``request_rejected`` counter, and OpenAI's body
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from minillm.engine.sampling import SamplingParams
@@ -21,9 +23,7 @@ from minillm.engine.sampling import SamplingParams
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "logit_bias", "tools", "response_format",
-               "best_of")  # refused when on
+UNSUPPORTED = ("echo", "suffix", "tools", "response_format", "best_of")  # refused when on
 UNSUPPORTED_OFF = {"best_of": 1}  # what else means "off" besides false, 0 and empty
 NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")  # taken, ignored
 REASONS = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
@@ -87,16 +87,20 @@ class GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension
     min_tokens: int = 0  # vLLM's extension: no EOS, stop token or stop string before this many
-    n: int = 1
+    n: int = 1  # answers per prompt (their prompt's KV blocks shared)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+    min_p: float = 0.0  # vLLM's extension
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM's extension: token ids in each choice
 
     def check_supported(self) -> None:
         """Refuse what minillm does not do, by name (400)."""
-        if self.n != 1:
-            raise APIError(400, f"n must be 1: minillm returns one choice per prompt, got n={self.n}",
-                           param="n")
+        if self.n < 1:
+            raise APIError(400, f"n must be an int >= 1, got n={self.n}", param="n")
         for name, value in (self.model_extra or {}).items():
             if value is None or name in NO_EFFECT:
                 continue
@@ -139,17 +143,38 @@ class GenerationRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per token (the sampled token's logprob comes too); None: no logprobs."""
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's params for one prompt; its ValueError as a 400 naming the client's field."""
         try:
+            bias = {int(token): value for token, value in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, f"logit_bias: keys must be token ids, got {list(self.logit_bias)[:5]}",
+                           param="logit_bias") from None
+        with client_fields(self.max_tokens_field):
             return SamplingParams(
                 temperature=self.temperature, top_p=self.top_p,
                 top_k=0 if self.top_k in (None, -1) else self.top_k, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                stop_token_ids=tuple(self.stop_token_ids or ()), seed=self.seed)
-        except ValueError as err:  # its messages start with the field's name
-            message = str(err).replace("max_tokens", self.max_tokens_field)
-            raise APIError(400, message, param=message.split(" ", 1)[0]) from None
+                stop_token_ids=tuple(self.stop_token_ids or ()), seed=self.seed, stop=tuple(self.stop_strings),
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty, logit_bias=bias, min_p=self.min_p,
+                logprobs=self.num_logprobs)
+
+
+@contextmanager
+def client_fields(max_tokens_field: str = "max_tokens"):
+    """The engine's ValueError (its messages start with the field's name) as a 400 naming the field
+    the client sent."""
+    try:
+        yield
+    except ValueError as err:
+        message = str(err).replace("max_tokens", max_tokens_field)
+        raise APIError(400, message, param=message.split(" ", 1)[0].rstrip(":")) from None
 
 
 class CompletionRequest(GenerationRequest):
@@ -157,6 +182,12 @@ class CompletionRequest(GenerationRequest):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None  # top logprobs per token, the sampled token's besides
+    echo: bool = False  # the prompt's text before each answer
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one per choice."""
@@ -197,6 +228,14 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     add_generation_prompt: bool = True  # vLLM's extension
+    logprobs: bool = False
+    top_logprobs: int | None = None  # with logprobs: this many top tokens per token
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def max_tokens_field(self) -> str:
