@@ -4,6 +4,7 @@
 (the ledger, probes, benchmarks, records, diagnosis, plots); ``minillm.server`` serves the engine
 over HTTP. The five public names load lazily, so ``import minillm.lab.estimate`` needs no torch.
 """
+__version__ = "0.1.0"  # pyproject.toml's version (tests/test_server_hardening.py checks)
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "generate", "load_model"]
 
 _HOMES = {"LLM": "minillm.engine.llm", "LLMEngine": "minillm.engine.engine",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from minillm.engine.device import add_threads_option
@@ -53,7 +54,9 @@ def add_cli(subparsers) -> None:
     cmd.add_argument("--tensor-parallel-size", type=int,
                      help="ranks (one process and device each) that split every layer (default 1)")
     cmd.add_argument("--served-model-name", help="the name clients ask for (default: MODEL as given)")
-    cmd.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    cmd.add_argument("--api-key", default=os.environ.get("MINILLM_API_KEY") or None,
+                     help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and "
+                          "/detokenize (default: $MINILLM_API_KEY, else none)")
     cmd.add_argument("--max-queue", type=int, default=MAX_QUEUE,
                      help="requests waiting at most; beyond it 503 with Retry-After (default %(default)s)")
     cmd.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
@@ -75,7 +78,8 @@ def speculative_config(text: str) -> dict:
 
 
 def run_cli(args) -> int:
-    """Serve until SIGTERM/SIGINT (exit 0); exit code 2 with a one-line reason for a bad setting."""
+    """Serve until SIGTERM/SIGINT (exit 0); exit code 1 if the engine loop stopped on an error, 2
+    with a one-line reason for a bad setting."""
     try:
         from minillm.server.api_server import serve
     except ImportError as err:
