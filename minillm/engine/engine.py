@@ -110,10 +110,24 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         token_ids = self.prompt_token_ids(prompt)
         self.scheduler.check_request(str(request_id), len(token_ids))
+        self.check_params(params)
         request = Request(str(request_id), token_ids, params, arrival_time=arrival)
         request.metrics.tokenized_time = self.now()
+        if params.structured_outputs is not None:
+            self.runner.structured.add(request.request_id, params.structured_outputs)
         self.scheduler.add_request(request)
         self.runner.add_generator(request.request_id, params.seed)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What this engine refuses in ``params`` beyond their own checks (``ValueError``): structured
+        outputs under speculative decoding, or with a schema the grammar compiler refuses (compiled
+        here, and cached for the request). Any thread may call it."""
+        if params.structured_outputs is None:
+            return
+        if self.config.speculative_config is not None:
+            raise ValueError("structured outputs cannot be combined with speculative decoding "
+                             "(speculative_config): proposed tokens are not checked against the grammar")
+        self.runner.structured.compile(params.structured_outputs)
 
     def prompt_token_ids(self, prompt) -> list[int]:
         """A prompt (text, or token ids) as token ids checked against the vocabulary;
@@ -196,6 +210,7 @@ class LLMEngine:
     def _retire(self, request: Request, when: float) -> None:
         self.recorder.record_finish(request, when)
         self.runner.drop_generator(request.request_id)
+        self.runner.structured.drop(request.request_id)
 
     def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
         text = None

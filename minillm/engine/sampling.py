@@ -5,7 +5,8 @@ tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``) are masked out of the
 neither greedy nor a draw can end it early (vLLM's rule). Otherwise the logits are divided by the temperature, cut to the
 ``top_k`` best tokens and to the smallest set whose probability reaches ``top_p``, and one token is
 drawn. Each request may carry its own seeded ``torch.Generator``, so its draws do not depend on
-which other requests share the batch.
+which other requests share the batch. A request with ``structured_outputs`` has the logits its
+grammar forbids masked first (:mod:`minillm.engine.structured`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from minillm.engine.structured import StructuredOutputsParams
 
 
 def _is_int(value) -> bool:
@@ -31,6 +34,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past the model's end-of-sequence tokens
     stop_token_ids: tuple[int, ...] = ()  # extra tokens that end the request (and are returned)
     seed: int | None = None  # per-request random seed; None = the global generator
+    structured_outputs: StructuredOutputsParams | None = None  # JSON the output must be (a grammar)
 
     def __post_init__(self):
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
@@ -55,6 +59,13 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a sequence of token ids (ints >= 0), "
                              f"got {self.stop_token_ids!r}")
         self.stop_token_ids = tuple(self.stop_token_ids)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, "
+                                 f"got {type(self.structured_outputs).__name__}")
+            if self.ignore_eos or self.min_tokens:  # the grammar ends the output with EOS
+                raise ValueError(f"{'ignore_eos' if self.ignore_eos else 'min_tokens'} cannot be combined "
+                                 f"with structured outputs: the grammar decides where the output ends")
 
     @property
     def greedy(self) -> bool:

@@ -150,7 +150,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
         arrival = engine.now()
         _check(body, model_name)
         prompts = [_prompt_ids(engine, prompt) for prompt in body.prompts()]
-        call = _start(async_engine, model_name, "cmpl", body, prompts, arrival)
+        call = await _start(async_engine, model_name, "cmpl", body, prompts, arrival)
         if body.stream:
             return EventStream(_completion_events(call, body), call)
         choices = await _gather(call, request)
@@ -165,7 +165,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
         arrival = engine.now()
         _check(body, model_name)
         prompt = _prompt_ids(engine, _chat_prompt(engine, body))
-        call = _start(async_engine, model_name, "chatcmpl", body, [prompt], arrival)
+        call = await _start(async_engine, model_name, "chatcmpl", body, [prompt], arrival)
         if body.stream:
             return EventStream(_chat_events(call, body), call)
         choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
@@ -248,9 +248,9 @@ def _chat_prompt(engine: LLMEngine, body: ChatCompletionRequest) -> list[int]:
         raise APIError(400, str(err), param="messages") from None
 
 
-def _start(async_engine: AsyncEngine, model_name: str, prefix: str, body: GenerationRequest,
-           prompts: list[list[int]], arrival: float) -> Call:
-    """Check lengths and sampling values, then queue one engine request per prompt."""
+async def _start(async_engine: AsyncEngine, model_name: str, prefix: str, body: GenerationRequest,
+                 prompts: list[list[int]], arrival: float) -> Call:
+    """Check lengths, sampling values and the JSON schema, then queue one engine request per prompt."""
     engine = async_engine.engine
     stop = body.stop_strings
     if stop and engine.tokenizer is None:
@@ -259,6 +259,11 @@ def _start(async_engine: AsyncEngine, model_name: str, prefix: str, body: Genera
     params = [body.sampling_params(_max_tokens(engine.config.max_model_len, len(p),
                                                body.requested_max_tokens(), body.max_tokens_field))
               for p in prompts]
+    if any(p.structured_outputs for p in params):
+        try:  # a JSON schema compiles off the event loop (the first one also builds the compiler)
+            await asyncio.to_thread(lambda: [engine.check_params(p) for p in params])
+        except ValueError as err:
+            raise APIError(400, str(err), param="response_format") from None
     call_id = f"{prefix}-{uuid.uuid4().hex}"
     request_ids = [f"{call_id}-{i}" for i in range(len(prompts))]
     try:

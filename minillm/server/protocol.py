@@ -14,16 +14,18 @@ server's log and its ``request_rejected`` counter, and OpenAI's body
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from minillm.engine.sampling import SamplingParams
+from minillm.engine.structured import StructuredOutputsParams
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "logit_bias", "tools", "response_format",
-               "best_of")  # refused when on
+               "repetition_penalty", "logit_bias", "tools", "best_of")  # refused when on
 UNSUPPORTED_OFF = {"best_of": 1}  # what else means "off" besides false, 0 and empty
 NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")  # taken, ignored
 REASONS = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
@@ -73,6 +75,33 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's extension: with include_usage, usage in every chunk
 
 
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's name, description and strict flag (the schema is
+    always enforced), and the schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: plain text, any JSON object, or JSON valid for a schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise APIError(400, "response_format: json_schema ({name, schema}) goes with, and only with, "
+                                "type 'json_schema'", param="response_format")
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.json_schema.json_schema)
+        return StructuredOutputsParams(json_object=True) if self.type == "json_object" else None
+
+
 class GenerationRequest(BaseModel):
     """What completions and chat completions share: sampling, stopping, streaming."""
 
@@ -91,6 +120,7 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM's extension: token ids in each choice
+    response_format: ResponseFormat | None = None  # JSON output, through a grammar
 
     def check_supported(self) -> None:
         """Refuse what minillm does not do, by name (400)."""
@@ -146,7 +176,8 @@ class GenerationRequest(BaseModel):
                 temperature=self.temperature, top_p=self.top_p,
                 top_k=0 if self.top_k in (None, -1) else self.top_k, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                stop_token_ids=tuple(self.stop_token_ids or ()), seed=self.seed)
+                stop_token_ids=tuple(self.stop_token_ids or ()), seed=self.seed,
+                structured_outputs=self.response_format and self.response_format.structured_outputs())
         except ValueError as err:  # its messages start with the field's name
             message = str(err).replace("max_tokens", self.max_tokens_field)
             raise APIError(400, message, param=message.split(" ", 1)[0]) from None
