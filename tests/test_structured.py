@@ -8,8 +8,6 @@ are freed however a request ends; the official ``openai`` client gets JSON from 
 the decode step's."""
 import json
 import re
-import subprocess
-import sys
 
 import jsonschema
 import openai
@@ -192,10 +190,19 @@ def test_a_bad_response_format_is_a_400_before_anything_is_queued(client, respon
     assert re.search(message, err.value.body["message"])
 
 
-def test_bench_structured_prints_the_mask_beside_the_decode_step():
-    done = subprocess.run([sys.executable, "-m", "minillm", "bench", "structured", "--device", "cpu",
-                           "--batch-size", "2", "--steps", "4"], capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr
-    for field in ("decode step", "mask (fill + apply)", "mask / decode step"):
-        assert field in done.stdout
+def test_bench_structured_prints_the_mask_beside_the_decode_step(capsys):
+    from minillm.__main__ import main
+    from minillm.lab.bench_structured import format_structured
+
+    assert main(["bench", "structured", "--device", "cpu", "--batch", "2", "--steps", "3", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["batch"], result["steps"], result["cpu_threads"]) == (2, 3, 1)
+    assert result["mask_s"] == result["fill_s"] + result["apply_s"]
+    assert result["mask_share"] == result["mask_s"] / result["decode_step_s"]
+    assert 0 < result["mask_s"] < result["structured_step_s"]
+    text = format_structured(result)
+    for line in (f"decode step (plain): {result['decode_step_s'] * 1e3:.3f} ms",
+                 f"decode step (structured, mask inside): {result['structured_step_s'] * 1e3:.3f} ms",
+                 f"mask (fill + apply): {result['mask_s'] * 1e3:.3f} ms",
+                 f"mask / decode step: {result['mask_share']:.2%}"):
+        assert line in text

@@ -97,14 +97,27 @@ class StructuredOutputs:
     def mask(self, logits: torch.Tensor, request_ids: list[str]) -> None:
         """Set to -inf, in place, every logit the grammar forbids in the rows (``request_ids[i]``:
         row i's request) of structured requests; other rows are left as they are."""
+        filled = self.fill(request_ids)
+        if filled is not None:
+            self.apply(logits, *filled)
+
+    def fill(self, request_ids: list[str]) -> tuple[torch.Tensor, list[int]] | None:
+        """The bitmask of the tokens each structured row's grammar allows next (on the CPU, one
+        row per request id) and those rows; None when no row is structured."""
         rows = [i for i, request_id in enumerate(request_ids) if request_id in self.matchers]
         if not rows:
-            return
+            return None
         import xgrammar
 
         bitmask = xgrammar.allocate_token_bitmask(len(request_ids), self.vocab_size)
         for row in rows:
             self.matchers[request_ids[row]].fill_next_token_bitmask(bitmask, row)
+        return bitmask, rows
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """-inf, in place, for the logits of ``rows`` whose bit is 0 (on the logits' device)."""
+        import xgrammar
+
         xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
                                              indices=rows)
 
