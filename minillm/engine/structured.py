@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what json_object means (vLLM compiles the same schema)
+COMPILER_CACHE_BYTES = 512 * 2**20  # compiled grammars kept, by schema (vLLM's VLLM_XGRAMMAR_CACHE_MB)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class StructuredOutputs:
 
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids))
-                self._compiler = xgrammar.GrammarCompiler(info)
+                self._compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=COMPILER_CACHE_BYTES)
             return self._compiler
 
     def add(self, request_id: str, params: StructuredOutputsParams) -> None:
