@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_quantization_options(pln)
     pln.set_defaults(func=cmd_plan)
     from minillm.lab import (bench, bench_host, bench_plan, bench_quality, bench_serve, bench_speculative,
-                             bench_step, bench_throughput, diagnose, loadgen)
+                             bench_step, bench_structured, bench_throughput, diagnose, loadgen)
 
     bench_commands = bench.add_cli(commands)
     bench_host.add_cli(bench_commands)
@@ -221,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_cli(bench_commands)
     bench_speculative.add_cli(bench_commands)
     bench_step.add_cli(bench_commands)
+    bench_structured.add_cli(bench_commands)
     diagnose.add_cli(commands)
     loadgen.add_cli(commands)
     from minillm.server import cli as server_cli

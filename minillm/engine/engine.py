@@ -137,13 +137,17 @@ class LLMEngine:
         request = Request(str(request_id), token_ids, params, arrival_time=arrival,
                           tokenizer=self.tokenizer, prompt_of=prompt_of)
         request.metrics.tokenized_time = self.now()
+        if params.structured_outputs is not None:
+            self.runner.structured.add(request.request_id, params.structured_outputs)
         self.scheduler.add_request(request)
         self.runner.add_generator(request.request_id, params.seed)
 
     def check_params(self, params: SamplingParams) -> None:
         """What ``SamplingParams`` cannot check alone, against this model: ``ValueError`` (its
         message starts with the field's name) for stop strings without a tokenizer or a
-        ``logit_bias`` token outside the vocabulary."""
+        ``logit_bias`` token outside the vocabulary; structured outputs under speculative decoding,
+        or with a schema the grammar compiler refuses (compiled here, and cached for the request).
+        Any thread may call it."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
@@ -152,6 +156,15 @@ class LLMEngine:
         outside = [t for t in params.logit_bias if t >= vocab]
         if outside:
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {outside[:5]}")
+        if params.structured_outputs is None:
+            return
+        if self.config.speculative_config is not None:
+            raise ValueError("structured_outputs cannot be combined with speculative decoding "
+                             "(speculative_config): proposed tokens are not checked against the grammar")
+        try:
+            self.runner.structured.compile(params.structured_outputs)
+        except ValueError as err:
+            raise ValueError(f"structured_outputs: {err}") from None
 
     def prompt_token_ids(self, prompt) -> list[int]:
         """A prompt (text, or token ids) as token ids checked against the vocabulary;
@@ -230,6 +243,7 @@ class LLMEngine:
     def _retire(self, request: Request, when: float) -> None:
         self.recorder.record_finish(request, when)
         self.runner.drop_generator(request.request_id)
+        self.runner.structured.drop(request.request_id)
 
     # -- what happened -----------------------------------------------------------------------------
     def reset_metrics(self) -> None:

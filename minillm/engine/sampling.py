@@ -12,7 +12,8 @@ temperature, cut to the ``top_k`` best tokens, to the smallest set whose probabi
 drawn. A temperature below :data:`MIN_TEMPERATURE` is raised to it (vLLM's rule: smaller ones
 overflow the scaled logits), ``top_k`` past the vocabulary keeps it all, and the best token
 survives any ``top_p`` or ``min_p``. Each request may carry its own seeded ``torch.Generator``, so its draws do not depend on
-which other requests share the batch.
+which other requests share the batch. A request with ``structured_outputs`` has the logits its
+grammar forbids masked before the draw (:mod:`minillm.engine.structured`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from minillm.engine.structured import StructuredOutputsParams
 
 MIN_TEMPERATURE = 1e-2  # vLLM's floor for a temperature > 0 (its _MAX_TEMP)
 SEED_LIMIT = 2**64  # a seed is in [0, SEED_LIMIT): what torch.Generator.manual_seed takes
@@ -56,6 +59,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_p: float = 0.0  # drop tokens less likely than min_p times the best one
     logprobs: int | None = None  # the sampled token's logprob and this many top ones; None = none
+    structured_outputs: StructuredOutputsParams | None = None  # JSON the output must be (a grammar)
 
     def __post_init__(self):
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
@@ -101,6 +105,13 @@ class SamplingParams:
                              f"got {self.logit_bias!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, "
+                                 f"got {type(self.structured_outputs).__name__}")
+            if self.ignore_eos or self.min_tokens:  # the grammar ends the output with EOS
+                raise ValueError(f"{'ignore_eos' if self.ignore_eos else 'min_tokens'} cannot be combined "
+                                 f"with structured outputs: the grammar decides where the output ends")
 
     @property
     def greedy(self) -> bool:

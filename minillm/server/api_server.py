@@ -296,7 +296,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
                 _check_chars(len(prompt), longest, engine, "prompt")
         prompts = await async_engine.tokenize(lambda: [_prompt_ids(engine, p) for p in texts])
         echo = [_echo_text(engine, text, ids) if body.echo else "" for text, ids in zip(texts, prompts)]
-        call = _start(async_engine, model_name, "cmpl", body, prompts, arrival, echo)
+        call = await _start(async_engine, model_name, "cmpl", body, prompts, arrival, echo)
         if body.stream:
             return EventStream(_completion_events(call, body), call)
         choices = [{"index": c["index"], "text": c["text"],
@@ -312,7 +312,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
         _check(body, model_name)
         _check_chars(sum(m.num_chars for m in body.messages), longest, engine, "messages")
         prompt = _prompt_ids(engine, await async_engine.tokenize(_chat_prompt, engine, body))
-        call = _start(async_engine, model_name, "chatcmpl", body, [prompt], arrival)
+        call = await _start(async_engine, model_name, "chatcmpl", body, [prompt], arrival)
         if body.stream:
             return EventStream(_chat_events(call, body), call)
         choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
@@ -449,21 +449,24 @@ def _echo_text(engine: LLMEngine, prompt: str | list[int], ids: list[int]) -> st
     return engine.tokenizer.decode(ids) if engine.tokenizer is not None else ""
 
 
-def _start(async_engine: AsyncEngine, model_name: str, prefix: str, body: GenerationRequest,
-           prompts: list[list[int]], arrival: float, echo: list[str] | None = None) -> Call:
-    """Check lengths and sampling values, then queue ``n`` engine requests per prompt, the later
-    ones sharing the first one's prompt blocks."""
+async def _start(async_engine: AsyncEngine, model_name: str, prefix: str, body: GenerationRequest,
+                 prompts: list[list[int]], arrival: float, echo: list[str] | None = None) -> Call:
+    """Check lengths, sampling values and the JSON schema, then queue ``n`` engine requests per
+    prompt, the later ones sharing the first one's prompt blocks."""
     engine = async_engine.engine
     n = body.n
-    params = []
-    for p in prompts:
-        one = body.sampling_params(_max_tokens(engine.config.max_model_len, len(p),
-                                               body.requested_max_tokens(), body.max_tokens_field))
-        with client_fields():
-            engine.check_params(one)
-        # n seeded answers must differ: the j-th draws from seed + j (vLLM's rule)
-        params += [one if one.seed is None or j == 0 else dataclasses.replace(one, seed=(one.seed + j) % 2**64)
-                   for j in range(n)]
+    per_prompt = [body.sampling_params(_max_tokens(engine.config.max_model_len, len(p),
+                                                   body.requested_max_tokens(), body.max_tokens_field))
+                  for p in prompts]
+    with client_fields(body.max_tokens_field):
+        if any(p.structured_outputs for p in per_prompt):  # a JSON schema compiles off the event loop
+            await asyncio.to_thread(lambda: [engine.check_params(p) for p in per_prompt])
+        else:
+            for one in per_prompt:
+                engine.check_params(one)
+    # n seeded answers must differ: the j-th draws from seed + j (vLLM's rule)
+    params = [one if one.seed is None or j == 0 else dataclasses.replace(one, seed=(one.seed + j) % 2**64)
+              for one in per_prompt for j in range(n)]
     call_id = f"{prefix}-{uuid.uuid4().hex}"
     request_ids = [f"{call_id}-{i}" for i in range(len(prompts) * n)]
     prompt_of = [None if i % n == 0 else request_ids[i - i % n] for i in range(len(request_ids))]

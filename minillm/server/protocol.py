@@ -11,29 +11,30 @@ not sent, at every level, and text with a lone surrogate (``"\\ud800"``: JSON al
 does not) is a 400 naming where it is. A few of OpenAI's fields that change nothing about the
 answer (:data:`NO_EFFECT`: ``user``, ``metadata``, ``reasoning_effort``, ...) are taken and
 ignored, and so are the values of :data:`HARMLESS` that ask for what minillm does anyway
-(``response_format`` text, ``tool_choice`` "none"); other values of those fields can never
-succeed and are a 400. Every error a client gets is an :class:`APIError`: an HTTP status, a ``reason`` for the
+(``tool_choice`` "none"); other values of it can never succeed and are a 400. ``response_format``
+is text, a JSON object or JSON for a schema (structured output, through a grammar). Every error a client gets is an :class:`APIError`: an HTTP status, a ``reason`` for the
 server's log and its ``request_rejected`` counter, and OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from minillm.engine.sampling import SamplingParams
+from minillm.engine.structured import StructuredOutputsParams
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}
-UNSUPPORTED = ("echo", "suffix", "tools", "response_format", "best_of")  # refused when on
+UNSUPPORTED = ("echo", "suffix", "tools", "best_of")  # refused when on
 UNSUPPORTED_OFF = {"best_of": 1}  # what else means "off" besides false, 0 and empty
 NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
              "prompt_cache_key", "safety_identifier")  # taken, ignored
-HARMLESS = {"response_format": ({"type": "text"},), "tool_choice": ("none", "auto")}  # and others: 400
+HARMLESS = {"tool_choice": ("none", "auto")}  # and others: 400
 REASONS = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
            499: "client_closed", 500: "internal_error", 503: "unavailable"}  # by status, by default
 EXPECTED = {"prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
@@ -118,6 +119,33 @@ class StreamOptions(Body):
     continuous_usage_stats: bool = False  # vLLM's extension: with include_usage, usage in every chunk
 
 
+class JSONSchemaFormat(Body):
+    """``response_format.json_schema``: OpenAI's name, description and strict flag (the schema is
+    always enforced), and the schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    """``response_format``: plain text, any JSON object, or JSON valid for a schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise APIError(400, "response_format: json_schema ({name, schema}) goes with, and only with, "
+                                "type 'json_schema'", param="response_format")
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.json_schema.json_schema)
+        return StructuredOutputsParams(json_object=True) if self.type == "json_object" else None
+
+
 class GenerationRequest(Body):
     """What completions and chat completions share: sampling, stopping, streaming."""
 
@@ -140,6 +168,7 @@ class GenerationRequest(Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM's extension: token ids in each choice
+    response_format: ResponseFormat | None = None  # JSON output, through a grammar
 
     def check_supported(self) -> None:
         """Refuse what minillm does not do, by name (400)."""
@@ -212,7 +241,8 @@ class GenerationRequest(Body):
                 stop_token_ids=tuple(self.stop_token_ids or ()), seed=self.seed, stop=tuple(self.stop_strings),
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, logit_bias=bias, min_p=self.min_p,
-                logprobs=self.num_logprobs)
+                logprobs=self.num_logprobs,
+                structured_outputs=self.response_format and self.response_format.structured_outputs())
 
 
 @contextmanager
@@ -222,7 +252,7 @@ def client_fields(max_tokens_field: str = "max_tokens"):
     try:
         yield
     except ValueError as err:
-        message = str(err).replace("max_tokens", max_tokens_field)
+        message = str(err).replace("max_tokens", max_tokens_field).replace("structured_outputs", "response_format")
         raise APIError(400, message, param=message.split(" ", 1)[0].rstrip(":")) from None
 
 
