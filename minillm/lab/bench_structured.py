@@ -107,7 +107,7 @@ def format_structured(r: dict) -> str:
 def add_cli(bench_commands) -> None:
     cmd = bench_commands.add_parser("structured", help="the grammar mask's cost per decode step (fill + "
                                                        "apply) beside the decode step")
-    add_options(cmd, model="smollm2-135m", out=None)
+    add_options(cmd, model="smollm2-135m", out=None, threads=False)  # its own --threads: the labs' policy
     cmd.add_argument("--batch", type=int, default=8, help="requests decoding together (default 8)")
     cmd.add_argument("--steps", type=int, default=32, help="decode steps timed (default 32)")
     cmd.add_argument("--threads", type=int, default=CPU_THREADS,
