@@ -87,6 +87,26 @@ def test_an_aborted_request_frees_its_matcher(llm):
     check_all_freed(llm)
 
 
+def test_a_refused_request_leaves_no_matcher_and_keeps_the_live_ones(llm):
+    """Admission (the scheduler's) comes before the matcher: a structured request refused for its
+    length leaves none, and one refused for a duplicate id leaves the live request's matcher as it is."""
+    params = SamplingParams(temperature=0.0, max_tokens=80,
+                            structured_outputs=StructuredOutputsParams(json_object=True))
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        llm.add_request("long", [1] * llm.config.max_model_len, params)
+    check_all_freed(llm)
+    llm.add_request("live", llm.chat_prompt_ids(CAPITAL_CHAT), params)
+    llm.step()
+    matcher = llm.runner.structured.matchers["live"]
+    with pytest.raises(ValueError, match="already in use"):
+        llm.add_request("live", [1, 2, 3], params)
+    assert llm.runner.structured.matchers == {"live": matcher}
+    while llm.has_unfinished():
+        outputs = llm.step()
+    assert outputs[-1].finish_reason == "stop" and parses(outputs[-1].text)
+    check_all_freed(llm)
+
+
 @pytest.mark.parametrize("schema, message", [
     ({"type": "foo"}, 'Unsupported type "foo"'),
     ({"type": "object", "required": "name"}, "required must be an array"),

@@ -137,9 +137,9 @@ class LLMEngine:
         request = Request(str(request_id), token_ids, params, arrival_time=arrival,
                           tokenizer=self.tokenizer, prompt_of=prompt_of)
         request.metrics.tokenized_time = self.now()
-        if params.structured_outputs is not None:
+        self.scheduler.add_request(request)  # admission: refused here, nothing is made for it
+        if params.structured_outputs is not None:  # compiled by check_params: nothing left to refuse
             self.runner.structured.add(request.request_id, params.structured_outputs)
-        self.scheduler.add_request(request)
         self.runner.add_generator(request.request_id, params.seed)
 
     def check_params(self, params: SamplingParams) -> None:
