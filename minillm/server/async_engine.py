@@ -90,7 +90,7 @@ class AsyncEngine:
             raise ValueError(f"max_queue must be >= 1 or None, got {max_queue}")
         self.engine = engine
         self.max_queue = max_queue
-        self.metrics = ServerMetrics(model_name, engine.snapshot())
+        self.metrics = ServerMetrics(model_name, engine.snapshot(), engine.config)
         self.accepting = True  # False once shutting down
         self.error: Exception | None = None  # what stopped the loop, if a step failed
         self._streams: dict[str, OutputStream] = {}  # every unfinished request's stream
@@ -178,6 +178,7 @@ class AsyncEngine:
         for request_id, prompt, p in zip(request_ids, prompts, params, strict=True):
             self._to_add.append((request_id, prompt, p, arrival_time))
             self._streams[request_id] = stream
+        self.metrics.observe_added(params)
         self._idle.clear()
         self._wakeup.set()
         return stream
