@@ -12,8 +12,8 @@ does not) is a 400 naming where it is. A few of OpenAI's fields that change noth
 answer (:data:`NO_EFFECT`: ``user``, ``metadata``, ``reasoning_effort``, ...) are taken and
 ignored, and so are the values of :data:`HARMLESS` that ask for what minillm does anyway
 (``response_format`` text, ``tool_choice`` "none"); other values of those fields can never
-succeed and are a 400. Every error a client gets is an :class:`APIError`: an HTTP status, a ``reason`` for the
-server's log and its ``request_rejected`` counter, and OpenAI's body
+succeed and are a 400. Every error a client gets is an :class:`APIError`: an HTTP status, a
+``reason`` for the server's log and its ``request_rejected`` counter, and OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _lone_surrogate(value, path: str = "") -> str | None:
     """Where in a parsed JSON value a string holds a lone surrogate, or None. One pass of the C
     encoder says whether there is one; only then is the value walked (ints skipped) to say where."""
     try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        json.dumps(value, ensure_ascii=False, default=str).encode("utf-8")
         return None
     except UnicodeEncodeError:
         pass
@@ -107,7 +107,7 @@ class Body(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _drop_nulls(cls, data):
+    def _text_and_nulls(cls, data):
         if not isinstance(data, dict):
             return data
         where = _lone_surrogate(data)
