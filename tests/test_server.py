@@ -139,7 +139,7 @@ def test_metrics_and_the_run_record_read_one_snapshot_and_reset_nothing():
     model = load_model(ModelConfig.from_dict(EXACT_CONFIG, "tiny-exact"), device="cpu",
                        dtype=torch.float64, weights="random")
     engine = LLMEngine(model, num_kv_blocks=64, block_size=4)
-    metrics = ServerMetrics("m", engine.snapshot())
+    metrics = ServerMetrics("m", engine.snapshot(), engine.config)
     for i, prompt in enumerate(exact_prompts(3)):
         engine.add_request(i, prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     while engine.has_unfinished():

@@ -11,7 +11,8 @@ the request) or, where a failure must be provoked inside the engine, against the
   and /health answers while the longest text accepted is tokenized (the real SmolLM2 tokenizer);
 - null counts as not sent, harmless fields are taken, what can never succeed is a 400 (a lone
   surrogate, tool_choice "required", more prompts than the queue holds), /tokenize, /detokenize,
-  /version as vLLM shapes them, the API key from MINILLM_API_KEY.
+  /version as vLLM shapes them, the API key from MINILLM_API_KEY;
+- vLLM V1's request, iteration and cache-config metrics, read with prometheus_client's parser.
 """
 import asyncio
 import json
@@ -25,6 +26,7 @@ import httpx
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from test_server import EXACT_CONFIG, client_for, rejected, save_chat_model, scrape, wait_until_idle
 
 import minillm
@@ -405,3 +407,67 @@ def _wait_for_health(url: str, process: subprocess.Popen, timeout: float = 120) 
         time.sleep(0.2)
     raise AssertionError("the server did not become healthy")
 
+
+
+# --- vLLM V1's metrics ----------------------------------------------------------------------------
+
+def families(server) -> dict:
+    """/metrics parsed by prometheus_client's own text parser: {family name: family}."""
+    text = httpx.get(server.url + "/metrics").text
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def sample(found: dict, family: str, suffix: str = "") -> float:
+    return sum(s.value for s in found[family].samples if s.name == family + suffix)
+
+
+def test_the_missing_vllm_v1_metrics_are_exported_with_their_meanings(exact_server):
+    wait_until_idle(exact_server)
+    before = families(exact_server)
+    prompt = [9, 8, 7, 6, 5, 4, 3, 2, 11, 12, 13]  # a prefix no other test sends
+    answer = client_for(exact_server).completions.create(
+        model="tiny-exact", prompt=prompt, max_tokens=7, temperature=0,
+        extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 7
+    wait_until_idle(exact_server)
+    after = families(exact_server)
+
+    def added(family, suffix):
+        return sample(after, "minillm:" + family, suffix) - sample(before, "minillm:" + family, suffix)
+
+    histograms = ("request_prompt_tokens", "request_generation_tokens", "iteration_tokens_total",
+                  "request_prefill_time_seconds", "request_decode_time_seconds",
+                  "request_inference_time_seconds", "request_params_n", "request_params_max_tokens")
+    for name in histograms:
+        assert after["minillm:" + name].type == "histogram", name
+    for name in histograms[:2] + histograms[3:]:
+        assert added(name, "_count") == 1, name
+    assert added("request_prompt_tokens", "_sum") == len(prompt)
+    assert added("request_generation_tokens", "_sum") == 7
+    assert added("request_params_max_tokens", "_sum") == 7 and added("request_params_n", "_sum") == 1
+    hits = added("prefix_cache_hits", "_total")
+    assert added("iteration_tokens_total", "_sum") == len(prompt) - hits + 7  # computed + sampled
+    assert added("iteration_tokens_total", "_count") == 7  # one prefill step, six decode steps
+
+
+def test_request_params_n_counts_a_client_request_once_with_its_n(exact_server):
+    wait_until_idle(exact_server)
+    before = families(exact_server)
+    answer = client_for(exact_server).completions.create(
+        model="tiny-exact", prompt=[5, 6, 7], max_tokens=3, n=3, temperature=0.8, seed=1)
+    assert len(answer.choices) == 3
+    wait_until_idle(exact_server)
+    after = families(exact_server)
+    for suffix, value in (("_count", 1), ("_sum", 3)):
+        assert (sample(after, "minillm:request_params_n", suffix)
+                - sample(before, "minillm:request_params_n", suffix)) == value
+    assert added("request_inference_time_seconds", "_sum") == pytest.approx(
+        added("request_prefill_time_seconds", "_sum") + added("request_decode_time_seconds", "_sum"))
+    assert added("request_decode_time_seconds", "_sum") > 0
+    buckets = [s.labels["le"] for s in after["minillm:request_prompt_tokens"].samples
+               if s.name.endswith("_bucket")]
+    assert buckets == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "+Inf"]
+    (info,) = after["minillm:cache_config_info"].samples
+    assert after["minillm:cache_config_info"].type == "gauge" and info.value == 1
+    assert {k: info.labels[k] for k in ("block_size", "num_gpu_blocks", "enable_prefix_caching")} == \
+        {"block_size": "4", "num_gpu_blocks": "128", "enable_prefix_caching": "True"}

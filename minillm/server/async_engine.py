@@ -85,7 +85,7 @@ class AsyncEngine:
             raise ValueError(f"max_queue must be >= 1 or None, got {max_queue}")
         self.engine = engine
         self.max_queue = max_queue
-        self.metrics = ServerMetrics(model_name, engine.snapshot())
+        self.metrics = ServerMetrics(model_name, engine.snapshot(), engine.config)
         self.accepting = True  # False once shutting down
         self.error: Exception | None = None  # what stopped the loop, if a step failed
         self._streams: dict[str, OutputStream] = {}  # every unfinished request's stream
@@ -175,6 +175,9 @@ class AsyncEngine:
         for request_id, prompt, p, parent in zip(request_ids, prompts, params, prompt_of, strict=True):
             self._to_add.append((request_id, prompt, p, arrival_time, parent))
             self._streams[request_id] = stream
+        firsts = [i for i, parent in enumerate(prompt_of) if parent is None]  # one per client prompt
+        self.metrics.observe_added([params[i] for i in firsts],
+                                   [1 + prompt_of.count(request_ids[i]) for i in firsts])
         self._idle.clear()
         self._wakeup.set()
         return stream

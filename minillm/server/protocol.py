@@ -18,11 +18,13 @@ server's log and its ``request_rejected`` counter, and OpenAI's body
 """
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, FailFast, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
+from typing_extensions import TypeAliasType
 
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.structured import StructuredOutputsParams
@@ -78,21 +80,23 @@ def validation_error(err: ValidationError | list[dict]) -> APIError:
     return APIError(400, message, param=next(iter(by_field)))
 
 
-def _lone_surrogate(value, path: str) -> str | None:
-    """Where in a parsed JSON value a string holds a lone surrogate, or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
+def _lone_surrogate(value, path: str = "") -> str | None:
+    """Where in a parsed JSON value a string holds a lone surrogate, or None. One pass of the C
+    encoder says whether there is one; only then is the value walked (ints skipped) to say where."""
+    try:
+        json.dumps(value, ensure_ascii=False, default=str).encode("utf-8")
         return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) \
-        if isinstance(value, list) else ()
+    except UnicodeEncodeError:
+        pass
+    if isinstance(value, str):
+        return path or "body"
+    items = value.items() if isinstance(value, dict) else enumerate(value)
     for key, item in items:
-        found = _lone_surrogate(item, f"{path}[{key}]" if isinstance(key, int) else
-                                f"{path}.{key}" if path else str(key))
-        if found:
-            return found
+        if isinstance(item, (str, list, dict)):
+            where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+            found = _lone_surrogate(item, where)
+            if found:
+                return found
     return None
 
 
@@ -103,10 +107,10 @@ class Body(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _drop_nulls(cls, data):
+    def _text_and_nulls(cls, data):
         if not isinstance(data, dict):
             return data
-        where = _lone_surrogate(data, "")
+        where = _lone_surrogate(data)
         if where is not None:
             raise PydanticCustomError("lone_surrogate", "{field} holds a lone surrogate "
                                       "(U+D800..U+DFFF), which is not text: send valid Unicode",
@@ -256,11 +260,16 @@ def client_fields(max_tokens_field: str = "max_tokens"):
         raise APIError(400, message, param=message.split(" ", 1)[0].rstrip(":")) from None
 
 
+# a prompt's shapes; a list is checked until its first wrong item, so a wrong guess costs nothing
+TokenIds = TypeAliasType("TokenIds", Annotated[list[int], FailFast()])
+Texts = TypeAliasType("Texts", Annotated[list[str], FailFast()])
+Batch = TypeAliasType("Batch", Annotated[list[TokenIds], FailFast()])
+
+
 class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``: one prompt or a list, as text or token ids."""
 
-    prompt: Annotated[str | list[int] | list[str] | list[list[int]],
-                      Field(union_mode="left_to_right")]  # one pass over a long list of ids
+    prompt: Annotated[str | TokenIds | Texts | Batch, Field(union_mode="left_to_right")]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None  # top logprobs per token, the sampled token's besides
     echo: bool = False  # the prompt's text before each answer
