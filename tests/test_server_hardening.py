@@ -448,6 +448,16 @@ def test_the_missing_vllm_v1_metrics_are_exported_with_their_meanings(exact_serv
     hits = added("prefix_cache_hits", "_total")
     assert added("iteration_tokens_total", "_sum") == len(prompt) - hits + 7  # computed + sampled
     assert added("iteration_tokens_total", "_count") == 7  # one prefill step, six decode steps
+    assert added("request_inference_time_seconds", "_sum") == pytest.approx(
+        added("request_prefill_time_seconds", "_sum") + added("request_decode_time_seconds", "_sum"))
+    assert added("request_decode_time_seconds", "_sum") > 0
+    buckets = [s.labels["le"] for s in after["minillm:request_prompt_tokens"].samples
+               if s.name.endswith("_bucket")]
+    assert buckets == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "+Inf"]
+    (info,) = after["minillm:cache_config_info"].samples
+    assert after["minillm:cache_config_info"].type == "gauge" and info.value == 1
+    assert {k: info.labels[k] for k in ("block_size", "num_gpu_blocks", "enable_prefix_caching")} == \
+        {"block_size": "4", "num_gpu_blocks": "128", "enable_prefix_caching": "True"}
 
 
 def test_request_params_n_counts_a_client_request_once_with_its_n(exact_server):
@@ -461,13 +471,3 @@ def test_request_params_n_counts_a_client_request_once_with_its_n(exact_server):
     for suffix, value in (("_count", 1), ("_sum", 3)):
         assert (sample(after, "minillm:request_params_n", suffix)
                 - sample(before, "minillm:request_params_n", suffix)) == value
-    assert added("request_inference_time_seconds", "_sum") == pytest.approx(
-        added("request_prefill_time_seconds", "_sum") + added("request_decode_time_seconds", "_sum"))
-    assert added("request_decode_time_seconds", "_sum") > 0
-    buckets = [s.labels["le"] for s in after["minillm:request_prompt_tokens"].samples
-               if s.name.endswith("_bucket")]
-    assert buckets == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "+Inf"]
-    (info,) = after["minillm:cache_config_info"].samples
-    assert after["minillm:cache_config_info"].type == "gauge" and info.value == 1
-    assert {k: info.labels[k] for k in ("block_size", "num_gpu_blocks", "enable_prefix_caching")} == \
-        {"block_size": "4", "num_gpu_blocks": "128", "enable_prefix_caching": "True"}
