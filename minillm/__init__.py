@@ -2,12 +2,14 @@
 
 ``minillm.engine`` is the engine (torch); ``minillm.lab`` is the measurement kit the book's labs use
 (the ledger, probes, benchmarks, records, diagnosis, plots); ``minillm.server`` serves the engine
-over HTTP. The five public names load lazily, so ``import minillm.lab.estimate`` needs no torch.
+over HTTP. The public names load lazily, so ``import minillm.lab.estimate`` needs no torch.
 """
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "generate", "load_model"]
+__version__ = "0.1.0"  # pyproject.toml's version (tests/test_server_hardening.py checks)
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "generate", "load_model"]
 
 _HOMES = {"LLM": "minillm.engine.llm", "LLMEngine": "minillm.engine.engine",
-          "SamplingParams": "minillm.engine.sampling", "generate": "minillm.engine.generate",
+          "SamplingParams": "minillm.engine.sampling", "StructuredOutputsParams": "minillm.engine.structured",
+          "generate": "minillm.engine.generate",
           "load_model": "minillm.engine.loader"}
 
 

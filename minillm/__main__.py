@@ -159,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--dtype", default="bf16", choices=sorted(ledger.DTYPE_BYTES))
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
     est.set_defaults(func=cmd_estimate)
+    from minillm.engine.device import add_threads_option
     from minillm.engine.engine_config import add_quantization_options
     from minillm.engine.loader import TORCH_DTYPES
 
@@ -183,10 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=sorted(TORCH_DTYPES), help="default: the model's on CUDA, "
                                                                    "float32 on the CPU")
     gen.add_argument("--weights", default="auto", choices=["auto", "random"])
-    gen.add_argument("--num-kv-blocks", type=int, default=256, help="KV blocks of 16 tokens (default 256)")
+    gen.add_argument("--num-kv-blocks", type=int, help="KV blocks of 16 tokens (default: the planner on "
+                                                       "CUDA; on the CPU $MINILLM_CPU_KVCACHE_SPACE GiB, default 4)")
     gen.add_argument("--max-model-len", type=int, help="longest request (default: what the pool holds)")
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks that split every layer (default 1)")
     add_quantization_options(gen)
+    add_threads_option(gen)
     gen.set_defaults(func=cmd_generate)
     pln = commands.add_parser("plan", help="where a card's memory goes: weights, activations, KV blocks")
     pln.add_argument("--model", required=True, help="preset name or directory with config.json")
@@ -208,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_quantization_options(pln)
     pln.set_defaults(func=cmd_plan)
     from minillm.lab import (bench, bench_host, bench_plan, bench_quality, bench_serve, bench_speculative,
-                             bench_throughput, diagnose, loadgen)
+                             bench_step, bench_structured, bench_throughput, diagnose, loadgen)
 
     bench_commands = bench.add_cli(commands)
     bench_host.add_cli(bench_commands)
@@ -217,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_plan.add_cli(bench_commands)
     bench_serve.add_cli(bench_commands)
     bench_speculative.add_cli(bench_commands)
+    bench_step.add_cli(bench_commands)
+    bench_structured.add_cli(bench_commands)
     diagnose.add_cli(commands)
     loadgen.add_cli(commands)
     from minillm.server import cli as server_cli
@@ -236,10 +241,22 @@ def _attach_negative_values(argv: list[str]) -> list[str]:
     return out
 
 
+def _apply_threads(threads: int | None) -> None:
+    """The thread policy, applied once per command (``--threads``), and said on stderr."""
+    from minillm.engine.device import set_threads
+
+    try:
+        print(f"minillm: {set_threads(threads)}", file=sys.stderr, flush=True)
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(_attach_negative_values(argv))
     try:
+        if getattr(args, "thread_policy", False):
+            _apply_threads(args.threads)
         return args.func(args)
     except CLIError as err:
         print(f"error: {err}", file=sys.stderr)

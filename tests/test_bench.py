@@ -206,3 +206,22 @@ def test_plan_bench_caps_the_allocator_of_an_indexed_cuda_device(monkeypatch):
         limit, _ = bench_plan.emulate_card(200 * ledger.GiB, torch.device("cuda", 0))
     assert limit == 140 * ledger.GiB and fractions[-1] == (1.0, 0)
     assert bench_plan.emulate_card(ledger.GiB, torch.device("cpu")) == (ledger.GiB, {})
+
+
+def test_step_breakdown_splits_the_profiled_step_and_sets_the_floor(monkeypatch, one_thread):
+    from minillm.lab import bench_step
+
+    monkeypatch.setattr(bench_step, "probe_device", lambda device: FIXED_PROBE)
+    r = bench_step.bench_step_breakdown("tiny", "cpu", quantization="int8", ctx=20, steps=3)
+    parts = r["parts_s"]
+    assert list(parts) == [*bench_step.PARTS, bench_step.OTHER, bench_step.PYTHON]
+    assert all(parts[p] > 0 for p in bench_step.PARTS)  # every labelled part ran in every step
+    assert sum(parts.values()) == pytest.approx(r["profiled_step_s"])
+    cfg = load_config("tiny")
+    nbytes = ledger.decode_read_bytes(cfg, "float32", "int8") + ledger.kv_bytes(cfg, 23, "float32")
+    flops = ledger.matmul_flops_per_token(cfg) + ledger.attention_flops_per_token(cfg, 23)
+    floor = ledger.roofline_floor(flops, nbytes, FIXED_PROBE.matmul_flops, FIXED_PROBE.copy_bandwidth)
+    assert r["floor"]["bytes"] == nbytes and r["floor"]["seconds"] == floor.seconds
+    assert r["floor_share"] == pytest.approx(floor.seconds / r["step_s"])
+    text = bench_step.format_step_breakdown(r)
+    assert all(part in text for part in parts) and "quantization int8)" in text

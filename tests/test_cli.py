@@ -1,11 +1,13 @@
 """``python -m minillm estimate``: the ledger on the command line, and its errors."""
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from minillm.__main__ import main
+from minillm.__main__ import build_parser, main
 
 
 def run(*argv):
@@ -42,11 +44,30 @@ def test_estimate_errors_are_one_line_exit_2(argv, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_generate_prints_the_new_tokens(capsys):
+def test_generate_prints_the_new_tokens(capsys, monkeypatch):
+    """No sizing argument: the CPU's pool is $MINILLM_CPU_KVCACHE_SPACE GiB (small here)."""
+    monkeypatch.setenv("MINILLM_CPU_KVCACHE_SPACE", "0.01")
     argv = ["generate", "tiny", "--weights", "random", "--token-ids", "5,6,7", "--max-tokens", "4"]
     assert main(argv) == 0
     first = capsys.readouterr().out.split()
     assert len(first) == 4 and all(0 <= int(t) < 4096 for t in first)
+
+
+def test_serve_turns_prefix_caching_off_and_passes_it_to_the_engine():
+    from minillm.server.cli import ENGINE_OPTIONS
+
+    assert "enable_prefix_caching" in ENGINE_OPTIONS
+    parser = build_parser()
+    assert parser.parse_args(["serve", "tiny", "--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert parser.parse_args(["serve", "tiny", "--enable-prefix-caching"]).enable_prefix_caching is True
+    assert parser.parse_args(["serve", "tiny"]).enable_prefix_caching is None  # the engine's default
+
+
+@pytest.mark.parametrize("command", ["prefill", "decode", "paged-decode"])
+def test_each_bench_points_at_a_record_of_its_own_kind(command):
+    text = run("bench", command, "--help").stdout
+    assert f"h200-{command}.json" in " ".join(text.split())
+    assert ("decode.json" in text) == (command != "prefill")
 
 
 def test_generate_without_weights_is_a_clear_error():
@@ -59,3 +80,30 @@ def test_diagnose_rejects_an_unreadable_record(tmp_path):
     bad.write_text("{not json")
     result = run("diagnose", str(bad))
     assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_thread_policy_defaults_to_physical_cores_and_says_so(monkeypatch):
+    from minillm.engine.device import physical_cores, set_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        cores = physical_cores()
+        assert 1 <= cores <= os.cpu_count()
+        assert set_threads() == f"{cores} CPU thread{'s' if cores > 1 else ''} (one per physical core)"
+        assert torch.get_num_threads() == cores
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert set_threads() == "1 CPU thread ($OMP_NUM_THREADS)" and torch.get_num_threads() == 1
+        assert set_threads(3) == "3 CPU threads (--threads)" and torch.get_num_threads() == 3
+        with pytest.raises(ValueError, match="threads must be an int >= 1"):
+            set_threads(0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_generate_logs_its_threads_and_refuses_zero():
+    argv = ("generate", "tiny", "--weights", "random", "--token-ids", "5,6", "--max-tokens", "2")
+    result = run(*argv, "--threads", "1")
+    assert result.returncode == 0 and result.stderr.splitlines()[0] == "minillm: 1 CPU thread (--threads)"
+    result = run(*argv, "--threads", "0")
+    assert result.returncode == 2 and "threads must be an int >= 1, got 0" in result.stderr

@@ -15,10 +15,12 @@ from hypothesis import strategies as st
 import minillm
 from minillm import LLM, LLMEngine
 from minillm.engine.config import load_config
+from minillm.engine.engine_config import cpu_kvcache_bytes
 from minillm.engine.loader import load_model
 from minillm.engine.planner import plan
 from minillm.engine.sampling import SamplingParams
 from minillm.lab import records
+from minillm.engine.units import GiB
 from minillm.lab.metrics import SLO
 
 CONFIG = load_config("tiny").replace(name="tiny-test", num_layers=2, hidden_size=64,
@@ -355,6 +357,40 @@ def test_the_planner_sizes_the_pool_when_num_kv_blocks_is_none():
     assert llm.config.max_model_len == 512
     prompts, params = mixed_workload(count=3, seed=7)
     run_and_check(llm, prompts, params)
+
+
+def test_the_cpu_pool_is_sized_like_vllms_cpu_backend(monkeypatch, caplog):
+    """No sizing argument on the CPU: $MINILLM_CPU_KVCACHE_SPACE GiB of blocks, at most
+    max_num_seqs requests of max_model_len, said in the log."""
+    from minillm.engine.engine import logger
+
+    monkeypatch.setattr(logger, "propagate", True)
+    monkeypatch.setenv("MINILLM_CPU_KVCACHE_SPACE", "0.01")
+    bytes_per_block = 16 * 2 * CONFIG.num_layers * CONFIG.kv_size * 8  # float64
+    with caplog.at_level("INFO", logger="minillm.engine"):
+        llm = LLM(tiny_model())
+    assert llm.config.num_kv_blocks == round(0.01 * GiB) // bytes_per_block
+    assert llm.config.max_model_len == llm.config.num_kv_blocks * 16
+    assert llm.memory_plan is None
+    [line] = {r.getMessage() for r in caplog.records if r.name == "minillm.engine"}
+    assert f"KV cache on the CPU: {llm.config.num_kv_blocks} blocks of 16 tokens" in line
+    assert "MINILLM_CPU_KVCACHE_SPACE=10.24 MiB" in line
+    capped = LLM(tiny_model(), max_num_seqs=2, max_model_len=100)
+    assert capped.config.num_kv_blocks == 2 * 7 and capped.config.max_model_len == 100
+    prompts, params = mixed_workload(count=3, seed=8)
+    run_and_check(capped, prompts, params)
+
+
+def test_the_cpu_pool_defaults_to_4_gib_and_a_bad_size_fails_before_loading(monkeypatch):
+    monkeypatch.delenv("MINILLM_CPU_KVCACHE_SPACE", raising=False)
+    assert cpu_kvcache_bytes() == 4 * GiB
+    monkeypatch.setenv("MINILLM_CPU_KVCACHE_SPACE", "0.5")
+    assert cpu_kvcache_bytes() == GiB // 2
+    for bad in ("0", "-1", "lots", "nan", "inf"):
+        monkeypatch.setenv("MINILLM_CPU_KVCACHE_SPACE", bad)
+        with pytest.raises(ValueError, match="MINILLM_CPU_KVCACHE_SPACE must be a positive number"):
+            LLM("no-such-model-is-loaded", device="cpu")
+    LLM(tiny_model(), num_kv_blocks=8)  # a given pool size does not read it
 
 
 def test_padded_decode_graphs_give_the_same_tokens():

@@ -7,6 +7,7 @@ from minillm import SamplingParams, generate, load_model
 from minillm.engine.attention_metadata import StepBuilder
 from minillm.engine.config import load_config
 from minillm.engine.contiguous_cache import ContiguousKVCache
+from minillm.engine.engine_config import EngineConfig
 from minillm.engine.paged_cache import PagedKVCache
 from minillm.lab import estimate
 
@@ -84,6 +85,21 @@ def test_prepare_step_needs_room_first():
     cache.allocate("a", 6)
     with pytest.raises(ValueError, match="holds room for 6"):
         cache.prepare_step([("a", 4, 3)])
+
+
+def test_the_engines_pool_is_built_from_its_settings_and_ranks_above_0_keep_no_books():
+    cfg = load_config("tiny")
+    settings = EngineConfig(block_size=4, num_kv_blocks=6, prefix_index="radix",
+                            preemption_mode="swap").resolved(cfg.max_position_embeddings, 4 * 1024)
+    cache = PagedKVCache.from_config(cfg, settings, torch.float32, "cpu")
+    assert cache.kv.shape[2:4] == (6, 4) and cache.table_width == 6
+    assert cache.swap_kv.shape[0] == settings.num_cpu_blocks == 6
+    assert type(cache.manager.index).__name__ == "RadixPrefixIndex"
+    tensors_only = PagedKVCache.from_config(cfg, settings, torch.float32, "cpu", bookkeeping=False)
+    assert not hasattr(tensors_only, "manager") and tensors_only.kv.shape == cache.kv.shape
+    tensors_only.kv[:, :, 2] = 1.0
+    tensors_only.swap([(2, 0)], [(0, 5)])  # what a rank > 0 does with the pairs rank 0 sends
+    assert bool((tensors_only.kv[:, :, 5] == 1.0).all())
 
 
 def test_metadata_is_built_on_the_device_from_tables_and_counts():

@@ -35,6 +35,60 @@ def test_the_engine_imports_neither_the_kit_nor_the_book_stack(path):
     assert not bad, f"{path.name} imports {bad}"
 
 
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_cycles(paths, root: Path = ROOT) -> list[list[str]]:
+    """The import cycles among these files (any import, at any depth: a lazy import inside a function
+    closes a cycle too): the strongly connected components of more than one module, or a module
+    that imports itself, each sorted (Tarjan's algorithm)."""
+    modules = {module_name(p, root): p for p in paths}
+    graph = {name: sorted(m for m in imported_modules(path) if m in modules)
+             for name, path in modules.items()}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(name):
+        index[name] = low[name] = len(index)
+        stack.append(name)
+        on_stack.add(name)
+        for other in graph[name]:
+            if other not in index:
+                visit(other)
+                low[name] = min(low[name], low[other])
+            elif other in on_stack:
+                low[name] = min(low[name], index[other])
+        if low[name] == index[name]:
+            component = []
+            while not component or component[-1] != name:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1 or name in graph[name]:
+                cycles.append(sorted(component))
+
+    for name in graph:
+        if name not in index:
+            visit(name)
+    return sorted(cycles)
+
+
+def test_import_cycles_are_found(tmp_path):
+    """The finder on a made-up package: a -> b -> c -> a (c's import lazy) is one cycle, d stands apart."""
+    package = tmp_path / "minillm" / "fake"
+    package.mkdir(parents=True)
+    (package / "a.py").write_text("from minillm.fake.b import x\n")
+    (package / "b.py").write_text("import minillm.fake.c\n")
+    (package / "c.py").write_text("def f():\n    from minillm.fake import a\n")
+    (package / "d.py").write_text("from minillm.fake.a import y\n")
+    assert import_cycles(sorted(package.glob("*.py")), tmp_path) == [
+        ["minillm.fake.a", "minillm.fake.b", "minillm.fake.c"]]
+
+
+def test_minillm_has_no_import_cycles():
+    assert import_cycles(sorted((ROOT / "minillm").rglob("*.py"))) == []
+
+
 def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
 
@@ -74,6 +128,19 @@ def test_attention_metadata_is_built_in_one_function():
                        for c in ast.walk(func)):
                     builders.append(f"{path.name}:{func.name}")
     assert sorted(set(builders)) == ["attention_metadata.py:build"]
+
+
+def test_block_size_is_validated_only_in_engine_config():
+    """``EngineConfig`` checks ``block_size`` once; the caches and the indexes take it as given."""
+    from minillm.engine.engine_config import EngineConfig
+
+    elsewhere = sorted(f"{path.name}:{node.lineno}" for path in (ROOT / "minillm").rglob("*.py")
+                       if path.name != "engine_config.py" for node in ast.walk(ast.parse(path.read_text()))
+                       if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "check_positive_int"
+                       and "block_size" in ast.unparse(node.args[0]))
+    assert elsewhere == []
+    with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
+        EngineConfig(block_size=0)
 
 
 def notebook_code(path: Path) -> str:

@@ -98,8 +98,6 @@ def test_locked_leaves_are_never_evicted():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="block_size"):
-        RadixPrefixIndex(0)
     index = RadixPrefixIndex(BS)
     with pytest.raises(ValueError, match="2 blocks for 3 full blocks"):
         index.insert(A, [10, 11])

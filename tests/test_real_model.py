@@ -77,6 +77,7 @@ def test_the_command_line_streams_a_real_answer():
     assert done.returncode == 0, done.stderr
     assert "cache" in done.stdout.lower() and len(done.stdout.split()) > 20
     assert "finish=stop" in done.stderr and "TTFT" in done.stderr
+    assert "KV cache on the CPU" in done.stderr  # no sizing argument: vLLM's CPU default, logged
 
 
 def test_the_server_answers_the_openai_client_with_real_text():

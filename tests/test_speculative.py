@@ -166,7 +166,6 @@ def test_greedy_tokens_with_speculation_equal_those_without_in_a_mixed_batch():
     assert sum(s["num_draft_tokens"] for s in stats["steps"]) == stats["num_draft_tokens"]
     assert all(sum(n for _, n in s["scheduled"]) == s["num_prefill_tokens"] + s["num_decode_tokens"]
                + s["num_draft_tokens"] for s in stats["steps"])
-    assert sum(r.num_accepted_tokens for r in requests.values()) == stats["num_accepted_tokens"]
     assert all(len(r.metrics.token_times) == len(r.output_token_ids) for r in requests.values())
     assert off_stats["num_draft_tokens"] == 0
     assert_all_blocks_back(llm)
@@ -270,11 +269,11 @@ def test_draft_layers_greedy_tokens_equal_those_without_in_a_mixed_batch():
     params = [greedy(40, ignore_eos=True), SamplingParams(temperature=0.8, max_tokens=24, seed=5, ignore_eos=True),
               greedy(30, min_tokens=25), greedy(19, ignore_eos=True)]
     off, _, _, _ = generate(None, prompts, params)
-    on, stats, requests, llm = generate(DRAFT, prompts, params)
+    on, stats, _, llm = generate(DRAFT, prompts, params)
     assert on[:1] + on[2:] == off[:1] + off[2:] and len(on[1]) == 24
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
     assert stats["prefix_hit_tokens"] > 0 and stats["generation_tokens"] == sum(map(len, on))
-    assert sum(r.num_draft_tokens for r in requests.values()) == stats["num_draft_tokens"]
+    assert sum(s["num_draft_tokens"] for s in stats["steps"]) == stats["num_draft_tokens"]
     assert_all_blocks_back(llm)
     for mode in ("recompute", "swap"):
         args = {"num_kv_blocks": 24, "preemption_mode": mode, "max_model_len": 44}

@@ -237,8 +237,8 @@ def load_config(model: str | Path) -> ModelConfig:
                          f".gguf file, nor a preset (presets: {', '.join(preset_names())})")
     name = Path(model).stem if Path(model).suffix == ".gguf" else Path(model).name
     if where.suffix == ".gguf":
-        from minillm.engine.gguf_file import GGUFFile, gguf_config
+        from minillm.engine.gguf_file import GGUFFile, model_fields
 
-        return gguf_config(GGUFFile(where), name=name)
+        return ModelConfig(name=name, **model_fields(GGUFFile(where)))
     with open(where / "config.json") as f:
         return ModelConfig.from_dict(json.load(f), name=name)

@@ -7,6 +7,7 @@ down what happened. ``minillm.engine.llm.LLM`` is the offline front door.
 """
 from __future__ import annotations
 
+import logging
 import numbers
 import time
 
@@ -14,18 +15,28 @@ import torch
 
 from minillm.engine.config import ModelConfig, load_config, tensor_parallel_shard
 from minillm.engine.device import pick_device, resolve_device
-from minillm.engine.engine_config import EngineConfig
+from minillm.engine.engine_config import EngineConfig, cpu_kvcache_bytes
 from minillm.engine.kv_cache import kv_bytes_per_token, kv_storage_dtype
 from minillm.engine.loader import load_model
 from minillm.engine.model import Transformer
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.paged_cache import PagedKVCache
-from minillm.engine.parallel import TensorParallel, Workers
+from minillm.engine.parallel import TensorParallel
 from minillm.engine.planner import plan
 from minillm.engine.recorder import Recorder
 from minillm.engine.request import Request, RequestOutput
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.scheduler import SCHEDULERS
+from minillm.engine.units import fmt_bytes
+from minillm.engine.workers import Workers
+
+logger = logging.getLogger("minillm.engine")
+if not logger.handlers:  # as vLLM does: the engine's INFO lines on stderr unless the application set its own
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 class LLMEngine:
@@ -34,12 +45,13 @@ class LLMEngine:
     ``model``: a loaded ``Transformer``, or a folder / preset / hub id for ``load_model`` (with
     ``device``, ``dtype``, ``weights``). The other keyword arguments are ``EngineConfig``'s, checked
     before anything is loaded. ``num_kv_blocks=None``: ``minillm.engine.planner.plan`` sizes the
-    pool (on the CPU it needs ``memory_limit``). ``max_model_len=None``: the plan's, else as long as
+    pool; on the CPU without ``memory_limit``, ``$MINILLM_CPU_KVCACHE_SPACE`` GiB (default 4) does,
+    as in vLLM's CPU backend, and the log says so. ``max_model_len=None``: the plan's, else as long as
     the model's positions and the pool allow. ``log_limit``: the most recent steps and finished
     requests the recorder keeps (None: all; a server keeps a bounded tail).
 
     ``tensor_parallel_size=N`` > 1: this process is rank 0 and starts ranks 1..N-1
-    (``minillm.engine.parallel``); the sizes below (``model.config``, the plan, the KV pool) are then
+    (``minillm.engine.workers``); the sizes below (``model.config``, the plan, the KV pool) are then
     one rank's. :meth:`close` (or leaving a ``with`` block) stops them.
     """
 
@@ -47,9 +59,10 @@ class LLMEngine:
                  log_limit: int | None = None, **engine_args):
         config = EngineConfig(**engine_args)
         _check_device(config, device)
+        cpu_kv_bytes = _cpu_kv_bytes(config, model, device)
         self.workers = _start_workers(model, device, dtype, weights, config)
         try:
-            self._build(model, device, dtype, weights, config)
+            self._build(model, device, dtype, weights, config, cpu_kv_bytes)
         except BaseException:
             self.close()
             raise
@@ -58,8 +71,9 @@ class LLMEngine:
         self._next_id = 0
         self._aborted: list[RequestOutput] = []  # reported by the next step()
 
-    def _build(self, model, device, dtype, weights, config: EngineConfig) -> None:
-        """The model (this rank's shard), the plan, the KV pool, the scheduler and the runner."""
+    def _build(self, model, device, dtype, weights, config: EngineConfig, cpu_kv_bytes: int | None) -> None:
+        """The model (this rank's shard), the plan (or the CPU's pool of ``cpu_kv_bytes``), the KV
+        pool, the scheduler and the runner."""
         workers = self.workers
         if workers:
             device = workers.device  # rank 0's, as _start_workers settled it
@@ -69,16 +83,21 @@ class LLMEngine:
         if config.speculative_config is not None:  # before the pool is planned or allocated
             config.speculative_config.check_model(self.model.config.num_layers)
         self.tokenizer = getattr(self.model, "tokenizer", None)
-        if config.num_kv_blocks is None and workers:
+        planned = config.num_kv_blocks is None and cpu_kv_bytes is None
+        if planned and workers:
             workers.order("plan", config)  # every rank runs the profile step, in step with rank 0
-        self.memory_plan = plan(self.model, engine_config=config) if config.num_kv_blocks is None else None
+        self.memory_plan = plan(self.model, engine_config=config) if planned else None
         model_config, kv_dtype = self.model.config, kv_storage_dtype(config.kv_cache_dtype, self.model.dtype)
         bytes_per_block = config.block_size * kv_bytes_per_token(model_config, kv_dtype)
-        self.config = config = config.resolved(model_config.max_position_embeddings, bytes_per_block, self.memory_plan)
-        self.kv_cache = PagedKVCache(
-            model_config, config.num_kv_blocks, config.block_size, kv_dtype, self.model.device,
-            enable_prefix_caching=config.enable_prefix_caching, prefix_index=config.prefix_index,
-            max_model_len=config.max_model_len, num_cpu_blocks=config.num_cpu_blocks)
+        self.config = config = config.resolved(model_config.max_position_embeddings, bytes_per_block,
+                                               self.memory_plan, cpu_kv_bytes)
+        if cpu_kv_bytes is not None:
+            logger.info("KV cache on the CPU: %d blocks of %d tokens (%s) out of $MINILLM_CPU_KVCACHE_SPACE="
+                        "%s, at most max_num_seqs=%d requests of max_model_len=%d; num_kv_blocks or "
+                        "memory_limit sizes it", config.num_kv_blocks, config.block_size,
+                        fmt_bytes(config.num_kv_blocks * bytes_per_block), fmt_bytes(cpu_kv_bytes),
+                        config.max_num_seqs, config.max_model_len)
+        self.kv_cache = PagedKVCache.from_config(model_config, config, kv_dtype, self.model.device)
         if workers:
             workers.order("cache", config, kv_dtype)
         self.scheduler = SCHEDULERS[config.scheduling](self.kv_cache, config, model_config.eos_token_ids)
@@ -110,7 +129,6 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         self.check_params(params)
         token_ids = self.prompt_token_ids(prompt)
-        self.scheduler.check_request(str(request_id), len(token_ids))
         if prompt_of is not None:
             parent = self.scheduler.requests.get(str(prompt_of))
             if parent is None or parent.prompt_token_ids != token_ids:
@@ -119,13 +137,17 @@ class LLMEngine:
         request = Request(str(request_id), token_ids, params, arrival_time=arrival,
                           tokenizer=self.tokenizer, prompt_of=prompt_of)
         request.metrics.tokenized_time = self.now()
+        if params.structured_outputs is not None:
+            self.runner.structured.add(request.request_id, params.structured_outputs)
         self.scheduler.add_request(request)
         self.runner.add_generator(request.request_id, params.seed)
 
     def check_params(self, params: SamplingParams) -> None:
         """What ``SamplingParams`` cannot check alone, against this model: ``ValueError`` (its
         message starts with the field's name) for stop strings without a tokenizer or a
-        ``logit_bias`` token outside the vocabulary."""
+        ``logit_bias`` token outside the vocabulary; structured outputs under speculative decoding,
+        or with a schema the grammar compiler refuses (compiled here, and cached for the request).
+        Any thread may call it."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
@@ -134,6 +156,15 @@ class LLMEngine:
         outside = [t for t in params.logit_bias if t >= vocab]
         if outside:
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {outside[:5]}")
+        if params.structured_outputs is None:
+            return
+        if self.config.speculative_config is not None:
+            raise ValueError("structured_outputs cannot be combined with speculative decoding "
+                             "(speculative_config): proposed tokens are not checked against the grammar")
+        try:
+            self.runner.structured.compile(params.structured_outputs)
+        except ValueError as err:
+            raise ValueError(f"structured_outputs: {err}") from None
 
     def prompt_token_ids(self, prompt) -> list[int]:
         """A prompt (text, or token ids) as token ids checked against the vocabulary;
@@ -212,6 +243,7 @@ class LLMEngine:
     def _retire(self, request: Request, when: float) -> None:
         self.recorder.record_finish(request, when)
         self.runner.drop_generator(request.request_id)
+        self.runner.structured.drop(request.request_id)
 
     # -- what happened -----------------------------------------------------------------------------
     def reset_metrics(self) -> None:
@@ -255,6 +287,15 @@ def _check_device(config: EngineConfig, device) -> None:
         raise ValueError(f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer (Ada, "
                          f"Hopper): {torch.cuda.get_device_name(device)} is "
                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}; use 'auto'")
+
+
+def _cpu_kv_bytes(config: EngineConfig, model, device) -> int | None:
+    """The CPU's KV pool in bytes (``cpu_kvcache_bytes``) when nothing else sizes it: no
+    ``num_kv_blocks``, no ``memory_limit``, the model on the CPU; None otherwise."""
+    if config.num_kv_blocks is not None or config.memory_limit is not None:
+        return None
+    where = model.device if isinstance(model, Transformer) else resolve_device(device)
+    return cpu_kvcache_bytes() if where.type == "cpu" else None
 
 
 def _start_workers(model, device, dtype, weights, config: EngineConfig) -> Workers | None:

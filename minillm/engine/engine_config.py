@@ -8,10 +8,12 @@ nothing again. Pure Python, so a bad setting is refused before torch allocates a
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
+import os
 from dataclasses import dataclass
 
-from minillm.engine.units import GiB, parse_size
+from minillm.engine.units import GiB, ceil_div, parse_size
 
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULINGS = ("continuous", "static")
@@ -21,6 +23,7 @@ GROUP_SIZES = (32, 128)  # int4's groups along the input dimension
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the model's dtype; "fp8": e4m3, one byte per element
 SWAP_SPACE_BYTES = 4 * GiB  # default CPU pool for swap preemption (vLLM's swap_space default)
 SPECULATIVE_METHODS = ("ngram", "draft_layers")  # prompt lookup; the target's own first layers as the draft
+CPU_KVCACHE_SPACE_GIB = 4  # the CPU's KV pool when nothing sizes it (vLLM's VLLM_CPU_KVCACHE_SPACE default)
 
 
 def check_positive_int(name: str, value) -> None:
@@ -37,6 +40,22 @@ def check_max_model_len(max_model_len: int | None, max_position_embeddings: int)
 def check_choice(name: str, value, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def cpu_kvcache_bytes() -> int:
+    """Bytes of the KV pool on the CPU when no setting sizes it: ``$MINILLM_CPU_KVCACHE_SPACE``
+    GiB (vLLM's ``VLLM_CPU_KVCACHE_SPACE``), default ``CPU_KVCACHE_SPACE_GIB``."""
+    text = os.environ.get("MINILLM_CPU_KVCACHE_SPACE", "").strip()
+    if not text:
+        return CPU_KVCACHE_SPACE_GIB * GiB
+    try:
+        space = float(text)
+    except ValueError:
+        space = math.nan
+    if not math.isfinite(space) or space <= 0:
+        raise ValueError(f"MINILLM_CPU_KVCACHE_SPACE must be a positive number of GiB (the CPU's KV "
+                         f"pool), got {text!r}")
+    return round(space * GiB)
 
 
 @dataclass(frozen=True)
@@ -105,7 +124,7 @@ class EngineConfig:
     """How the engine uses the card and schedules requests (vLLM's names and defaults)."""
 
     block_size: int = 16  # token slots per KV block
-    num_kv_blocks: int | None = None  # None: the planner sizes the pool from the card's memory
+    num_kv_blocks: int | None = None  # None: the planner sizes the pool from the card's memory (CPU: cpu_kvcache_bytes)
     max_model_len: int | None = None  # longest request; None: what the plan or model allows; -1: longest that fits
     max_num_seqs: int = 256  # requests running at once
     max_num_batched_tokens: int = 2048  # tokens one step may compute (the token budget)
@@ -171,13 +190,25 @@ class EngineConfig:
         """A copy with some settings changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
-    def resolved(self, max_position_embeddings: int, kv_bytes_per_block: int, memory_plan=None) -> "EngineConfig":
+    def resolved(self, max_position_embeddings: int, kv_bytes_per_block: int, memory_plan=None,
+                 cpu_kv_bytes: int | None = None) -> "EngineConfig":
         """The copy with every default decided and checked against the model and the pool: the pool
-        and ``max_model_len`` from ``memory_plan`` when the planner sized it (else None or -1: as long as
-        the positions and the pool allow); ``num_cpu_blocks`` None: a swap pool as large as the KV pool,
-        at most ``SWAP_SPACE_BYTES``; 0 without swap preemption."""
+        and ``max_model_len`` from ``memory_plan`` when the planner sized it; on the CPU with no size
+        given (``cpu_kv_bytes``, vLLM's CPU backend), as many blocks as fit in ``cpu_kv_bytes``, at
+        most ``max_num_seqs`` requests of ``max_model_len``; ``max_model_len`` None or -1: as long
+        as the positions and the pool allow. ``num_cpu_blocks`` None: a swap pool as large as the
+        KV pool, at most ``SWAP_SPACE_BYTES``; 0 without swap preemption."""
         num_kv_blocks, max_model_len = ((memory_plan.num_blocks, memory_plan.max_model_len) if memory_plan
                                         else (self.num_kv_blocks, self.max_model_len))
+        if num_kv_blocks is None:
+            if cpu_kv_bytes is None:
+                raise ValueError("num_kv_blocks is None: the planner's memory_plan or cpu_kv_bytes sizes the pool")
+            longest = max_position_embeddings if max_model_len in (None, -1) else max_model_len
+            num_kv_blocks = min(cpu_kv_bytes // kv_bytes_per_block,
+                                self.max_num_seqs * ceil_div(longest, self.block_size))
+            if num_kv_blocks < 1:
+                raise ValueError(f"the CPU's KV pool of {cpu_kv_bytes:,} bytes ($MINILLM_CPU_KVCACHE_SPACE) "
+                                 f"holds no block of {kv_bytes_per_block:,} bytes")
         pool_tokens = num_kv_blocks * self.block_size
         if max_model_len is None or max_model_len == -1:
             max_model_len = min(max_position_embeddings, pool_tokens)

@@ -3,8 +3,8 @@
 A GGUF holds a whole model in one file: a header, metadata (key -> value: the model's shape, the
 tokenizer's vocabulary and merges, its chat template), a table of tensors (name, shape, type,
 offset) and then the tensor data. :class:`GGUFFile` reads the header, the metadata and the table
-with ``struct`` (pure Python, nothing of the data is read), :func:`gguf_config` turns the metadata
-into a ``ModelConfig``, and :meth:`GGUFFile.read` dequantizes one tensor into float32:
+with ``struct`` (pure Python, nothing of the data is read), :func:`model_fields` turns the metadata
+into the fields of a ``ModelConfig`` (``minillm.engine.config.load_config`` builds it), and :meth:`GGUFFile.read` dequantizes one tensor into float32:
 
 * F32, F16, BF16 hold plain values;
 * Q8_0: blocks of 32 int8 values ``q`` with one fp16 scale ``d``: ``w = d * q`` (34 bytes per 32);
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 
-from minillm.engine.config import ModelConfig
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -171,8 +170,9 @@ def unpermute_qk(weight, num_heads: int):
             .transpose(1, 2).reshape(weight.shape))
 
 
-def gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
-    """The ``ModelConfig`` a GGUF's metadata describes; ``ValueError`` for what minillm cannot run."""
+def model_fields(gguf: GGUFFile) -> dict:
+    """The ``ModelConfig`` fields a GGUF's metadata describes (all but the name); ``ValueError``
+    for what minillm cannot run."""
     arch, meta = gguf.architecture, gguf.metadata
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{gguf.path.name}: architecture {arch!r} is not supported "
@@ -202,8 +202,7 @@ def gguf_config(gguf: GGUFFile, name: str) -> ModelConfig:
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
     types = {t.ggml_type for t in gguf.tensors.values()}
-    return ModelConfig(
-        name=name,
+    return dict(
         model_type="llama",
         vocab_size=vocab,
         hidden_size=hidden,
@@ -249,8 +248,9 @@ def checked_tensors(gguf: GGUFFile) -> dict[str, GGUFTensor]:
     return {hf_name(n): t for n, t in gguf.tensors.items()}
 
 
-def read_weights(gguf: GGUFFile, config: ModelConfig):
-    """(Hugging Face name, float32 tensor) for every tensor, q and k rows back in Hugging Face's order."""
+def read_weights(gguf: GGUFFile, config):
+    """(Hugging Face name, float32 tensor) for every tensor, q and k rows back in Hugging Face's
+    order (``config``: the file's ``ModelConfig``, for its head counts)."""
     for name, tensor in checked_tensors(gguf).items():
         values = gguf.read(tensor)
         if ".self_attn.q_proj." in name:

@@ -41,7 +41,6 @@ class KVCache(ABC):
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         check_positive_int("num_blocks", num_blocks)
-        check_positive_int("block_size", block_size)
         self.config = config
         self.block_size = block_size
         self.kv = torch.zeros(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,

@@ -4,7 +4,8 @@
 cache for the step's input ids, positions and attention metadata (one host-to-device copy), runs
 the flat batch through the model (a decode step replays a CUDA graph) and samples the next token of
 every request whose tokens are now all computed (its stop tokens masked while it is short of
-``min_tokens``, its logit bias and penalties applied): one device-to-host copy, and one more for
+``min_tokens``, its logit bias and penalties applied, and for a structured request what its
+grammar forbids): one device-to-host copy, and one more for
 the logprobs of the requests that ask for them. A request with proposed tokens (speculative decoding)
 feeds them after its last token (a draft of the model's first layers drafts them first, on the
 same cache); :func:`~minillm.engine.speculative.verify` turns the logits at its positions into the
@@ -25,6 +26,7 @@ from minillm.engine.sampling import (TokenLogprob, apply_penalties, make_generat
                                      token_logprobs)
 from minillm.engine.scheduler import SchedulerOutput
 from minillm.engine.speculative import LayerDraft, verify
+from minillm.engine.structured import StructuredOutputs
 
 
 class ModelRunner:
@@ -32,7 +34,7 @@ class ModelRunner:
 
     Decode graphs: ``config.cuda_graph_sizes`` if given (off CUDA they run eagerly on the same padded
     inputs), else vLLM's ladder up to ``max_num_seqs`` on CUDA; none with ``enforce_eager`` or under
-    tensor parallelism, where ``workers`` (``minillm.engine.parallel.Workers``) get each step's
+    tensor parallelism, where ``workers`` (``minillm.engine.workers.Workers``) get each step's
     inputs by broadcast and run the same forward on their shards."""
 
     def __init__(self, model: Transformer, kv_cache: PagedKVCache, config: EngineConfig, workers=None):
@@ -41,6 +43,8 @@ class ModelRunner:
         self.workers = workers
         self.device = model.device
         self.generators: dict[str, torch.Generator] = {}  # per-request seeded RNGs
+        self.structured = StructuredOutputs(getattr(model, "tokenizer", None), model.config.vocab_size,
+                                            model.config.eos_token_ids)  # per-request grammar matchers
         # compile before any timed step: the attention kernels, and the quantized linears' matmuls
         warmup(model.config, model.dtype, self.device, kv_cache.block_size, kv_cache.kv.dtype)
         warmup_quantized(model)
@@ -110,7 +114,13 @@ class ModelRunner:
         if not output.num_draft_tokens:
             generators = ([self.generators.get(r.request_id) for r in sampled_requests] if self.generators
                           else [None] * len(sampled_requests))
+            request_ids = [r.request_id for r in sampled_requests]
+            filled = self.structured.fill(request_ids)
+            if filled is not None:  # the grammar's mask, on a copy: logprobs are the raw logits'
+                logits = logits.clone() if logits is raw else logits
+                self.structured.apply(logits, *filled)
             tokens = sample(logits, params, generators).tolist()
+            self.structured.accept(request_ids, tokens)
             sampled = {r.request_id: [t] for r, t in zip(sampled_requests, tokens, strict=True)}
         else:
             sampled = self._verify(sampled_requests, logits)

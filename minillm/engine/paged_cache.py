@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from minillm.engine.config import ModelConfig
+from minillm.engine.engine_config import EngineConfig
 from minillm.engine.kv_cache import KVCache
 from minillm.engine.paging import BlockPool, KVCacheManager
 from minillm.engine.units import ceil_div
@@ -35,19 +36,23 @@ class PagedKVCache(KVCache):
     ``max_model_len`` bounds a request's block table (default: the whole pool).
     ``num_cpu_blocks``: the swap pool that preempted requests' blocks are copied into (pinned
     memory on CUDA, so the copies run at the host link's speed); 0: preemption recomputes.
+    ``bookkeeping=False``: the tensors only, for a tensor-parallel rank > 0 (rank 0 keeps the
+    block tables and sends each step's, :meth:`swap` and ``step_builder`` still work).
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *,
                  enable_prefix_caching: bool = False, prefix_index: str = "hash",
-                 max_model_len: int | None = None, num_cpu_blocks: int = 0):
+                 max_model_len: int | None = None, num_cpu_blocks: int = 0, bookkeeping: bool = True):
         super().__init__(config, num_blocks, block_size, dtype, device)
-        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching, prefix_index)
         on_cuda = self.device.type == "cuda"
         # Block-major, [num_cpu_blocks, L, 2, block_size, n_kv, d]: each block is one contiguous
         # piece of (pinned) host memory that a copy reaches directly, with no staging buffer.
         self.swap_kv = (torch.zeros((num_cpu_blocks, *self.kv.shape[:2], *self.kv.shape[3:]), dtype=dtype,
                                     pin_memory=on_cuda) if num_cpu_blocks else None)
+        if not bookkeeping:
+            return
+        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching, prefix_index)
         self.swap_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self._swapped: dict[str, list[int]] = {}  # request id -> its blocks in the swap pool
         self.table_width = ceil_div(max_model_len, block_size) if max_model_len else num_blocks
@@ -55,6 +60,15 @@ class PagedKVCache(KVCache):
         self._table_entries = self._table.numpy()  # the same memory, for cheap element writes
         self._rows: dict[str, _TableRow] = {}  # a row for each request that holds blocks
         self._free_rows = list(range(MIN_TABLE_ROWS - 1, -1, -1))
+
+    @classmethod
+    def from_config(cls, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype,
+                    device: torch.device | str, bookkeeping: bool = True) -> "PagedKVCache":
+        """The engine's pool as its resolved settings say (every rank builds it here)."""
+        return cls(model_config, config.num_kv_blocks, config.block_size, dtype, device,
+                   enable_prefix_caching=config.enable_prefix_caching, prefix_index=config.prefix_index,
+                   max_model_len=config.max_model_len, num_cpu_blocks=config.num_cpu_blocks,
+                   bookkeeping=bookkeeping)
 
     # -- room: the KVCache interface and the prefix cache -------------------------------------------
     def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:

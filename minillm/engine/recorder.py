@@ -11,8 +11,8 @@ a request, vLLM's ``spec_decode_num_*`` and ``num_accepted_tokens_per_pos``). Th
 run from the engine's start and are never reset (``totals``: what ``LLMEngine.snapshot`` and the
 server's ``/metrics`` read); a run is a window on them (:meth:`reset` marks where it starts,
 :meth:`counters` is the difference). Requests keep their own counts (``num_cached_tokens``,
-``num_preemptions``, ``num_draft_tokens``, ``num_accepted_tokens``); the KV manager keeps only the
-pool's state. The lab kit's records module writes all of it out as the run record.
+``num_preemptions``); the speculative counts live here only (a step's in its ``SchedulerOutput``,
+the sums in ``totals``); the KV manager keeps only the pool's state. The lab kit's records module writes all of it out as the run record.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ stopped.
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import InitVar, asdict, dataclass, field
 
 from minillm.engine.detokenizer import Detokenizer
 from minillm.engine.sampling import SamplingParams, TokenLogprob
@@ -97,7 +97,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_time: float = 0.0
+    arrival_time: InitVar[float] = 0.0  # kept by its metrics, the one owner of its timestamps
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (GPU pool)
     status: RequestStatus = RequestStatus.WAITING
@@ -108,18 +108,19 @@ class Request:
     num_spec_tokens: int = 0  # proposed tokens this step verifies (the scheduler decides how many)
     spec_token_ids: list[int] = field(default_factory=list)  # those tokens (vLLM's name); a draft model's
     # are filled in by the model runner when the step runs
-    num_draft_tokens: int = 0  # tokens proposed for it so far (speculative decoding)
-    num_accepted_tokens: int = 0  # of those, accepted by the target
     tokenizer: object = None  # for its text and stop strings; None: token ids only
     prompt_of: str | None = None  # the request whose prompt KV blocks it shares (n > 1)
     metrics: RequestMetrics = field(init=False)
     detokenizer: Detokenizer = field(init=False)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked for
 
-    def __post_init__(self):
-        self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.metrics = RequestMetrics(self.arrival_time, num_prompt_tokens=self.num_prompt_tokens)
+    def __post_init__(self, arrival_time: float):
+        self.metrics = RequestMetrics(arrival_time, num_prompt_tokens=len(self.prompt_token_ids))
         self.detokenizer = Detokenizer(self.tokenizer, self.params.stop, self.params.min_tokens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.metrics.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

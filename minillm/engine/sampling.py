@@ -9,8 +9,11 @@ frequency (minus it times the token's count in the output) and presence (minus i
 is in the output). Temperature 0 is greedy (argmax). Otherwise the logits are divided by the
 temperature, cut to the ``top_k`` best tokens, to the smallest set whose probability reaches
 ``top_p`` and to the tokens at least ``min_p`` times as likely as the best one, and one token is
-drawn. Each request may carry its own seeded ``torch.Generator``, so its draws do not depend on
-which other requests share the batch.
+drawn. A temperature below :data:`MIN_TEMPERATURE` is raised to it (vLLM's rule: smaller ones
+overflow the scaled logits), ``top_k`` past the vocabulary keeps it all, and the best token
+survives any ``top_p`` or ``min_p``. Each request may carry its own seeded ``torch.Generator``, so its draws do not depend on
+which other requests share the batch. A request with ``structured_outputs`` has the logits its
+grammar forbids masked before the draw (:mod:`minillm.engine.structured`).
 """
 from __future__ import annotations
 
@@ -19,6 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from minillm.engine.structured import StructuredOutputsParams
+
+MIN_TEMPERATURE = 1e-2  # vLLM's floor for a temperature > 0 (its _MAX_TEMP)
+SEED_LIMIT = 2**64  # a seed is in [0, SEED_LIMIT): what torch.Generator.manual_seed takes
 
 
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's and vLLM's bound)
@@ -51,11 +59,14 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_p: float = 0.0  # drop tokens less likely than min_p times the best one
     logprobs: int | None = None  # the sampled token's logprob and this many top ones; None = none
+    structured_outputs: StructuredOutputsParams | None = None  # JSON the output must be (a grammar)
 
     def __post_init__(self):
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not self.temperature >= 0 or math.isinf(self.temperature):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
                 or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -68,8 +79,8 @@ class SamplingParams:
                              f"got {self.min_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not all(
                 _is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a sequence of token ids (ints >= 0), "
@@ -94,6 +105,13 @@ class SamplingParams:
                              f"got {self.logit_bias!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, "
+                                 f"got {type(self.structured_outputs).__name__}")
+            if self.ignore_eos or self.min_tokens:  # the grammar ends the output with EOS
+                raise ValueError(f"{'ignore_eos' if self.ignore_eos else 'min_tokens'} cannot be combined "
+                                 f"with structured outputs: the grammar decides where the output ends")
 
     @property
     def greedy(self) -> bool:
@@ -194,11 +212,11 @@ def _kept_probs(scaled: torch.Tensor, params: list[SamplingParams]):
     probs = sorted_logits.softmax(dim=-1)
 
     vocab, device = scaled.shape[-1], scaled.device
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
+    top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     rank = torch.arange(vocab, device=device)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
-    keep = (rank < top_k[:, None]) & (mass_before < top_p[:, None])  # the best token always stays
+    keep = (rank < top_k[:, None]) & (mass_before < top_p[:, None]) | (rank == 0)  # the best stays
     if any(p.min_p for p in params):
         min_p = torch.tensor([p.min_p for p in params], device=device)
         keep &= probs >= min_p[:, None] * probs[:, :1]

@@ -93,10 +93,10 @@ class Scheduler:
         self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
 
     # -- requests in and out ---------------------------------------------------------------------
-    def check_request(self, request_id: str, num_prompt_tokens: int) -> None:
-        """Refuse a request that could never be scheduled (the loop never spins), before anything
-        is made for it."""
-        config = self.config
+    def add_request(self, request: Request) -> None:
+        """Queue a request; one that could never be scheduled (the loop would spin) is refused here,
+        the one place admission is checked, before anything is held for it."""
+        config, request_id, num_prompt_tokens = self.config, request.request_id, request.num_prompt_tokens
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if num_prompt_tokens == 0:
@@ -111,10 +111,6 @@ class Scheduler:
                 f"request {request_id!r}: prompt of {num_prompt_tokens} tokens does not fit "
                 f"max_num_batched_tokens={config.max_num_batched_tokens} with chunked prefill "
                 f"disabled (enable it or raise the budget)")
-
-    def add_request(self, request: Request) -> None:
-        """Queue a request (``check_request`` first)."""
-        self.check_request(request.request_id, request.num_prompt_tokens)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -304,8 +300,6 @@ class Scheduler:
             if proposed:
                 accepted = len(tokens) - 1
                 num_new -= len(proposed) - accepted  # the rejected ones' KV is not kept
-                request.num_draft_tokens += len(proposed)
-                request.num_accepted_tokens += accepted
                 output.num_accepted_tokens += accepted
                 output.num_rejected[request.request_id] = len(proposed) - accepted
                 for position in range(accepted):

@@ -381,8 +381,8 @@ def add_cli(subparsers) -> argparse._SubParsersAction:
     paged.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     paged.add_argument("--block-size", type=int, default=16)
     paged.add_argument("--repeats", type=int, default=5)
-    for cmd in (prefill, decode, paged):
-        add_options(cmd, out="data/measurements/h200-decode.json")
+    for cmd, name in ((prefill, "prefill"), (decode, "decode"), (paged, "paged-decode")):
+        add_options(cmd, out=f"data/measurements/h200-{name}.json")
         cmd.set_defaults(func=run_cli)
     return commands
 

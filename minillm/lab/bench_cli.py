@@ -7,15 +7,16 @@ from collections.abc import Callable
 
 import torch
 
-from minillm.engine.device import resolve_device
+from minillm.engine.device import add_threads_option, resolve_device
 from minillm.engine.loader import TORCH_DTYPES
 from minillm.lab import records
 
 
-def add_options(cmd, model: str | None = None, dtype: str | None = "", out: str | None = "") -> None:
+def add_options(cmd, model: str | None = None, dtype: str | None = "", out: str | None = "",
+                threads: bool = True) -> None:
     """``--model`` (required when ``model`` is None, else its default), ``--device``, ``--dtype``
-    (``dtype`` its default, "" the model's; None: no option) and ``--out`` (``out`` an example path
-    for the help; None: no option)."""
+    (``dtype`` its default, "" the model's; None: no option), ``--out`` (``out`` an example path
+    for the help; None: no option) and, with ``threads``, the thread policy's ``--threads``."""
     cmd.add_argument("--model", default=model, required=model is None,
                      help="preset name, .gguf file or directory with config.json"
                           + (f" (default {model})" if model else ""))
@@ -25,6 +26,8 @@ def add_options(cmd, model: str | None = None, dtype: str | None = "", out: str 
                          help=f"default: {dtype}" if dtype else "default: the model's on CUDA, float32 on the CPU")
     if out is not None:
         cmd.add_argument("--out", help="write the record to this JSON file" + (f", e.g. {out}" if out else ""))
+    if threads:
+        add_threads_option(cmd)
 
 
 def report(args, kind: str, params: dict, run: Callable[[torch.device], dict], show: Callable[[dict], str]) -> int:

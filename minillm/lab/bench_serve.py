@@ -181,7 +181,7 @@ def add_cli(bench_commands) -> None:
     """Register ``serve`` on the ``bench`` subcommands."""
     cmd = bench_commands.add_parser("serve", help="the HTTP server against the offline engine: "
                                                   "throughput ratio and added TTFT")
-    add_options(cmd, model="small")
+    add_options(cmd, model="small", threads=False)  # its own --threads: the labs' policy by default
     cmd.add_argument("--num-requests", type=int, default=32, help="the burst (throughput)")
     cmd.add_argument("--input-len", type=int, default=128)
     cmd.add_argument("--output-len", type=int, default=32)

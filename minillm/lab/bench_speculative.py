@@ -179,7 +179,7 @@ def format_speculative(r: dict) -> str:
 def add_cli(bench_commands) -> None:
     cmd = bench_commands.add_parser("speculative", help="speculative decoding on and off: tokens per "
                                                         "step, acceptance, wall time (and the draft's price)")
-    add_options(cmd, model="smollm2-135m", out=None)
+    add_options(cmd, model="smollm2-135m", out=None, threads=False)  # its own --threads: the labs' policy by default
     cmd.add_argument("--batch", type=int, default=1)
     cmd.add_argument("--max-tokens", type=int, default=64)
     cmd.add_argument("--repeats", type=int, default=3)

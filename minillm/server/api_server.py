@@ -2,22 +2,29 @@
 
 :func:`build_app` puts vLLM's OpenAI endpoints over an ``AsyncEngine``:
 
-- ``GET /health``; ``GET /v1/models``; ``GET /metrics`` (Prometheus text, ``minillm:`` names);
+- ``GET /health`` (503 once the engine loop has stopped); ``GET /v1/models``; ``GET /metrics``
+  (Prometheus text, ``minillm:`` names); ``GET /version``;
 - ``POST /v1/completions``: a prompt as text or token ids, one or a list (``n`` choices each);
-- ``POST /v1/chat/completions``: the messages rendered by the tokenizer's chat template.
+- ``POST /v1/chat/completions``: the messages rendered by the tokenizer's chat template;
+- ``POST /tokenize``, ``POST /detokenize``: vLLM's, the tokenizer alone.
 
 Stop strings, penalties, ``logit_bias``, ``min_p`` and logprobs are the engine's
 (``SamplingParams``); ``n`` answers to a prompt are ``n`` engine requests, the later ones made
 ``prompt_of`` the first, so its prompt's KV blocks are computed once and shared. Logprobs come in
 OpenAI's two shapes: the legacy one for completions, per-token objects for chat.
 
-A handler checks the request first: every client mistake is a 400 (or 404 for an unknown model)
-with OpenAI's error body, before anything is queued; every error answer is counted by reason in
+A body over :data:`MAX_BODY_BYTES` is a 413 before it is parsed. A handler checks the request
+first: every client mistake is a 400 (or 404 for an unknown model) with OpenAI's error body,
+before anything is queued. Text longer than ``max_model_len`` tokens could hold (no token of the
+vocabulary covers more characters than its longest) is refused before it is tokenized, and
+tokenizing runs in a thread of its own, so ``/health`` and the streams keep answering while a
+long prompt is tokenized. Every error answer is counted by reason in
 ``minillm:request_rejected_total`` and logged with its reason. Then it adds one engine request per prompt
 and reads their outputs step by step, streamed as server-sent events ending in ``data: [DONE]``
 or gathered into one response. When the client hangs up, its requests are aborted before the next
 step. :func:`serve` runs it under uvicorn; on SIGTERM or SIGINT it stops taking requests, gives
-those in flight ``shutdown_timeout`` seconds to finish, aborts the rest and returns 0.
+those in flight ``shutdown_timeout`` seconds to finish, aborts the rest and returns 0. If the
+engine loop stops on an error, the server shuts down by itself and returns 1.
 """
 from __future__ import annotations
 
@@ -39,16 +46,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+import minillm
 from minillm.engine.engine import LLMEngine
 from minillm.engine.sampling import TokenLogprob
 from minillm.server.async_engine import AsyncEngine, NotAccepting, OutputStream, QueueFull
 from minillm.server.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                     GenerationRequest, client_fields, validation_error)
+                                     DetokenizeRequest, GenerationRequest, TokenizeRequest,
+                                     client_fields, validation_error)
 
 logger = logging.getLogger("minillm.server")
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 LOG_LIMIT = 4096  # steps and finished requests the served engine's recorder keeps (the latest)
+MAX_BODY_BYTES = 8 * 2**20  # a larger request body is a 413
 
 
 @dataclass
@@ -157,14 +167,57 @@ class EventStream(StreamingResponse):
 
 
 async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
-    """``data: {json}`` per event, an error event if the engine gave up, then ``data: [DONE]``."""
+    """``data: {json}`` per event, an error event if the engine refused or gave up, then
+    ``data: [DONE]``."""
     try:
         async for event in events:
             yield f"data: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
-    except (ValueError, NotAccepting) as err:
-        status = 400 if isinstance(err, ValueError) else 503
+    except Exception as err:
+        status = 400 if isinstance(err, ValueError) else 503 if isinstance(err, NotAccepting) else 500
+        if status == 500:
+            logger.error("internal error in a stream", exc_info=err)
         yield f"data: {json.dumps(APIError(status, str(err)).body())}\n\n"
     yield "data: [DONE]\n\n"
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is a 413 (declared or as it arrives),
+    answered before the app sees it; ``reply`` writes the error answer."""
+
+    def __init__(self, app, limit: int, reply):
+        self.app, self.limit, self.reply = app, limit, reply
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        chunks, size = [], 0
+        while declared is None or int(declared) <= self.limit:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                break
+            if not message.get("more_body"):
+                return await self.app(scope, _replay(b"".join(chunks), receive), send)
+        err = APIError(413, f"the request body is larger than {self.limit // 2**20} MiB",
+                       reason="body_too_large")
+        await self.reply(scope, err)(scope, receive, send)
+
+
+def _replay(body: bytes, receive):
+    """An ASGI ``receive`` that hands over ``body`` first, then whatever ``receive`` gets."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+    return replay
 
 
 # --- the app ------------------------------------------------------------------------------------
@@ -181,8 +234,12 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
         await async_engine.stop()
 
     app = FastAPI(title="minillm", lifespan=lifespan)
-    _add_error_handlers(app, async_engine.metrics)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer_check(api_key))])
+    reply = _add_error_handlers(app, async_engine.metrics)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES,
+                       reply=lambda scope, err: reply(scope["method"], scope["path"], err))
+    auth = [Depends(_bearer_check(api_key))]
+    v1 = APIRouter(prefix="/v1", dependencies=auth)
+    longest = _longest_token(engine.tokenizer)
 
     @app.get("/health")
     async def health():
@@ -193,6 +250,31 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     @app.get("/metrics")
     async def metrics():
         return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version():
+        return {"version": minillm.__version__}
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(body: TokenizeRequest):
+        body.check()
+        _check_model(body.model, model_name)
+        if body.messages is not None:
+            _check_chars(sum(m.num_chars for m in body.messages), longest, engine, "messages")
+            ids = await async_engine.tokenize(_chat_prompt, engine, body)
+        else:
+            _check_chars(len(body.prompt), longest, engine, "prompt")
+            ids = await async_engine.tokenize(_text_ids, engine, body.prompt, body.add_special_tokens)
+        strs = engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.config.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(body: DetokenizeRequest):
+        _check_model(body.model, model_name)
+        _tokenizer(engine, "tokens")
+        ids = _prompt_ids(engine, body.tokens, "tokens", allow_empty=True)
+        return {"prompt": await async_engine.tokenize(engine.tokenizer.decode, ids)}
 
     @v1.get("/models")
     async def models():
@@ -208,9 +290,13 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
             raise APIError(400, "echo with logprobs needs the prompt's logprobs, which minillm does not "
                                 "compute: drop one of them", param="echo", reason="unsupported")
         texts = body.prompts()
-        prompts = [_prompt_ids(engine, prompt) for prompt in texts]
+        _check_count(async_engine, len(texts) * body.n)
+        for prompt in texts:
+            if isinstance(prompt, str):
+                _check_chars(len(prompt), longest, engine, "prompt")
+        prompts = await async_engine.tokenize(lambda: [_prompt_ids(engine, p) for p in texts])
         echo = [_echo_text(engine, text, ids) if body.echo else "" for text, ids in zip(texts, prompts)]
-        call = _start(async_engine, model_name, "cmpl", body, prompts, arrival, echo)
+        call = await _start(async_engine, model_name, "cmpl", body, prompts, arrival, echo)
         if body.stream:
             return EventStream(_completion_events(call, body), call)
         choices = [{"index": c["index"], "text": c["text"],
@@ -224,8 +310,9 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         arrival = engine.now()
         _check(body, model_name)
-        prompt = _prompt_ids(engine, _chat_prompt(engine, body))
-        call = _start(async_engine, model_name, "chatcmpl", body, [prompt], arrival)
+        _check_chars(sum(m.num_chars for m in body.messages), longest, engine, "messages")
+        prompt = _prompt_ids(engine, await async_engine.tokenize(_chat_prompt, engine, body))
+        call = await _start(async_engine, model_name, "chatcmpl", body, [prompt], arrival)
         if body.stream:
             return EventStream(_chat_events(call, body), call)
         choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
@@ -238,34 +325,37 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     return app
 
 
-def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics):
     """Every error as OpenAI's body; a client's mistake never as a 500 or a traceback. Each one is
     counted by reason (``minillm:request_rejected_total``) and logged with it, but for a client
-    that hung up (499), which nobody reads."""
+    that hung up (499), which nobody reads. Returns ``reply(method, path, err)``, the answer."""
 
-    def reply(request: Request, err: APIError) -> JSONResponse:
+    def reply(method: str, path: str, err: APIError) -> JSONResponse:
         if err.status != 499:
             metrics.reject(err.reason)
-            logger.warning("rejected %s %s: %d %s%s: %s", request.method, request.url.path,
-                           err.status, err.reason, f" ({err.param})" if err.param else "", err.message)
+            logger.warning("rejected %s %s: %d %s%s: %s", method, path, err.status, err.reason,
+                           f" ({err.param})" if err.param else "", err.message)
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(APIError)
     async def api_error(request, err: APIError):
-        return reply(request, err)
+        return reply(request.method, request.url.path, err)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, err: RequestValidationError):
-        return reply(request, validation_error(list(err.errors())))
+        return reply(request.method, request.url.path, validation_error(list(err.errors())))
 
     @app.exception_handler(HTTPException)
     async def http_error(request, err: HTTPException):  # unknown path, wrong method
-        return reply(request, APIError(err.status_code, str(err.detail), headers=err.headers))
+        return reply(request.method, request.url.path,
+                     APIError(err.status_code, str(err.detail), headers=err.headers))
 
     @app.exception_handler(Exception)
     async def server_error(request, err: Exception):  # a bug of ours: logged with its traceback
         logger.error("internal error on %s", request.url.path, exc_info=err)
-        return reply(request, APIError(500, f"internal server error: {err!r}"))
+        return reply(request.method, request.url.path, APIError(500, f"internal server error: {err!r}"))
+
+    return reply
 
 
 def _bearer_check(api_key: str | None):
@@ -275,7 +365,8 @@ def _bearer_check(api_key: str | None):
         given = request.headers.get("authorization", "")
         if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
             raise APIError(401, "missing or wrong API key: send the header "
-                                "'Authorization: Bearer <key>' with the server's --api-key")
+                                "'Authorization: Bearer <key>' with the server's key (its "
+                                "--api-key, or MINILLM_API_KEY)")
     return check
 
 
@@ -283,23 +374,66 @@ def _bearer_check(api_key: str | None):
 
 def _check(body: GenerationRequest, model_name: str) -> None:
     body.check_supported()
-    if body.model is not None and body.model != model_name:
-        raise APIError(404, f"The model `{body.model}` does not exist: this server serves "
+    _check_model(body.model, model_name)
+
+
+def _check_model(model: str | None, model_name: str) -> None:
+    if model is not None and model != model_name:
+        raise APIError(404, f"The model `{model}` does not exist: this server serves "
                             f"`{model_name}`", param="model", reason="unknown_model")
 
 
-def _prompt_ids(engine: LLMEngine, prompt: str | list[int]) -> list[int]:
+def _check_count(async_engine: AsyncEngine, num_prompts: int) -> None:
+    """A list of prompts longer than the queue can never be taken: a 400, not a 503 to retry."""
+    if async_engine.max_queue is not None and num_prompts > async_engine.max_queue:
+        raise APIError(400, f"{num_prompts} prompts in one request, more than the server's queue "
+                            f"holds (max_queue={async_engine.max_queue}): send them in smaller "
+                            f"lists", param="prompt")
+
+
+def _longest_token(tokenizer) -> int | None:
+    """The most characters one token of the vocabulary covers (its longest entry: a byte-level
+    entry has a character per byte), or None without a tokenizer."""
+    return None if tokenizer is None else max(map(len, tokenizer.get_vocab()))
+
+
+def _check_chars(num_chars: int, longest: int | None, engine: LLMEngine, param: str) -> None:
+    """400 for text that cannot fit ``max_model_len`` tokens, before it is tokenized: no token
+    covers more than ``longest`` characters, so it needs more than ``max_model_len`` tokens."""
+    max_model_len = engine.config.max_model_len
+    if longest is not None and num_chars > longest * max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                            f"However, {param} has {num_chars} characters, more than "
+                            f"{max_model_len} tokens can hold (no token of this model covers more "
+                            f"than {longest})", param=param, reason="context_length")
+
+
+def _tokenizer(engine: LLMEngine, param: str):
+    if engine.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: send token ids", param=param)
+    return engine.tokenizer
+
+
+def _text_ids(engine: LLMEngine, text: str, add_special_tokens: bool) -> list[int]:
+    """``text`` as token ids, with the special tokens a prompt gets or without them."""
+    if add_special_tokens:
+        return _prompt_ids(engine, text, allow_empty=True)
+    return list(_tokenizer(engine, "prompt").encode(text, add_special_tokens=False))
+
+
+def _prompt_ids(engine: LLMEngine, prompt: str | list[int], param: str = "prompt",
+                allow_empty: bool = False) -> list[int]:
     """Token ids checked against the vocabulary, as the engine checks them (400 if not)."""
     try:
         ids = engine.prompt_token_ids(prompt)
     except ValueError as err:
-        raise APIError(400, str(err), param="prompt") from None
-    if not ids:
-        raise APIError(400, "the prompt is empty", param="prompt")
+        raise APIError(400, str(err), param=param) from None
+    if not ids and not allow_empty:
+        raise APIError(400, "the prompt is empty", param=param)
     return ids
 
 
-def _chat_prompt(engine: LLMEngine, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(engine: LLMEngine, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
     """The messages through the model's chat template, as token ids."""
     try:
         return engine.chat_prompt_ids([m.as_template_input() for m in body.messages],
@@ -315,21 +449,24 @@ def _echo_text(engine: LLMEngine, prompt: str | list[int], ids: list[int]) -> st
     return engine.tokenizer.decode(ids) if engine.tokenizer is not None else ""
 
 
-def _start(async_engine: AsyncEngine, model_name: str, prefix: str, body: GenerationRequest,
-           prompts: list[list[int]], arrival: float, echo: list[str] | None = None) -> Call:
-    """Check lengths and sampling values, then queue ``n`` engine requests per prompt, the later
-    ones sharing the first one's prompt blocks."""
+async def _start(async_engine: AsyncEngine, model_name: str, prefix: str, body: GenerationRequest,
+                 prompts: list[list[int]], arrival: float, echo: list[str] | None = None) -> Call:
+    """Check lengths, sampling values and the JSON schema, then queue ``n`` engine requests per
+    prompt, the later ones sharing the first one's prompt blocks."""
     engine = async_engine.engine
     n = body.n
-    params = []
-    for p in prompts:
-        one = body.sampling_params(_max_tokens(engine.config.max_model_len, len(p),
-                                               body.requested_max_tokens(), body.max_tokens_field))
-        with client_fields():
-            engine.check_params(one)
-        # n seeded answers must differ: the j-th draws from seed + j (vLLM's rule)
-        params += [one if one.seed is None or j == 0 else dataclasses.replace(one, seed=(one.seed + j) % 2**64)
-                   for j in range(n)]
+    per_prompt = [body.sampling_params(_max_tokens(engine.config.max_model_len, len(p),
+                                                   body.requested_max_tokens(), body.max_tokens_field))
+                  for p in prompts]
+    with client_fields(body.client_names):
+        if any(p.structured_outputs for p in per_prompt):  # a JSON schema compiles off the event loop
+            await asyncio.to_thread(lambda: [engine.check_params(p) for p in per_prompt])
+        else:
+            for one in per_prompt:
+                engine.check_params(one)
+    # n seeded answers must differ: the j-th draws from seed + j (vLLM's rule)
+    params = [one if one.seed is None or j == 0 else dataclasses.replace(one, seed=(one.seed + j) % 2**64)
+              for one in per_prompt for j in range(n)]
     call_id = f"{prefix}-{uuid.uuid4().hex}"
     request_ids = [f"{call_id}-{i}" for i in range(len(prompts) * n)]
     prompt_of = [None if i % n == 0 else request_ids[i - i % n] for i in range(len(request_ids))]
@@ -432,8 +569,8 @@ async def _gather(call: Call, request: Request) -> list[dict]:
         raise APIError(499, "the client closed the connection")
     try:
         return answer.result()
-    except ValueError as err:  # the engine refused a prompt the handler let through
-        raise APIError(400, str(err), param="prompt") from None
+    except ValueError as err:  # the engine refused a request the handler let through
+        raise APIError(400, str(err)) from None
     except NotAccepting as err:
         raise APIError(503, str(err)) from None
 
@@ -444,22 +581,24 @@ def serve(model, *, host: str, port: int, max_queue: int | None, shutdown_timeou
           served_model_name: str | None = None, api_key: str | None = None, access_log: bool = False,
           device=None, dtype=None, weights: str = "auto", **engine_args) -> int:
     """Load ``model`` into an ``LLMEngine`` (``engine_args`` are ``EngineConfig``'s), serve it on
-    ``host:port`` until SIGTERM or SIGINT, shut down gracefully and return 0."""
+    ``host:port`` until SIGTERM or SIGINT, shut down gracefully and return 0; return 1 once the
+    engine loop has stopped on an error (the server shuts itself down then)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     engine = LLMEngine(model, device=device, dtype=dtype, weights=weights, log_limit=LOG_LIMIT,
                        **engine_args)
     try:
-        _serve_engine(engine, model, host, port, max_queue, shutdown_timeout, served_model_name,
-                      api_key, access_log)
+        error = _serve_engine(engine, model, host, port, max_queue, shutdown_timeout,
+                              served_model_name, api_key, access_log)
     finally:
         engine.close()  # a tensor-parallel engine's ranks end with the server
-    return 0
+    return 0 if error is None else 1
 
 
 def _serve_engine(engine: LLMEngine, model, host: str, port: int, max_queue: int | None,
                   shutdown_timeout: float, served_model_name: str | None, api_key: str | None,
-                  access_log: bool) -> None:
-    """Serve ``engine`` with uvicorn until a signal, then drain it."""
+                  access_log: bool) -> Exception | None:
+    """Serve ``engine`` with uvicorn until a signal (or until its loop stops), then drain it;
+    what stopped the loop, if anything did."""
     name = served_model_name or str(model)
     async_engine = AsyncEngine(engine, name, max_queue)
     app = build_app(async_engine, name, api_key)
@@ -475,13 +614,18 @@ def _serve_engine(engine: LLMEngine, model, host: str, port: int, max_queue: int
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     asyncio.run(_serve_until_signal(server, async_engine, shutdown_timeout))
+    return async_engine.error
 
 
 async def _serve_until_signal(server: uvicorn.Server, async_engine: AsyncEngine,
                               shutdown_timeout: float) -> None:
-    """Run uvicorn; once a signal asks it to exit, drain the engine while uvicorn closes."""
+    """Run uvicorn; once a signal asks it to exit, drain the engine while uvicorn closes. If the
+    engine loop stops on an error, ask uvicorn to exit."""
     serving = asyncio.ensure_future(server.serve())
     while not server.should_exit and not serving.done():
+        if async_engine.error is not None:
+            logger.error("the engine loop stopped (%r): shutting down", async_engine.error)
+            server.should_exit = True
         await asyncio.sleep(0.1)
     if not serving.done():
         logger.info("shutting down: no new requests; those in flight get %.0f s to finish",

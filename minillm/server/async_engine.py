@@ -94,6 +94,7 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()  # nothing in flight
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="minillm-engine")
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="minillm-tokenize")
         self._task: asyncio.Task | None = None
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -102,43 +103,52 @@ class AsyncEngine:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="minillm-engine-loop")
 
     async def _run(self) -> None:
+        """Step until cancelled. Whatever escapes a step (a bug, out of memory) ends the loop
+        through :meth:`_fail`: every waiting client gets an error, /health turns 503, ``serve``
+        exits non-zero. Nothing a single request sends reaches here: it is checked before it is
+        queued, and a request the engine still refuses fails alone (:meth:`_apply_inbox`)."""
         loop = asyncio.get_running_loop()
-        while True:
-            self._apply_inbox()
-            if not self.engine.has_unfinished():
-                self.metrics.observe(self.engine.snapshot(), [])
-                if not self._streams:
-                    self._idle.set()
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            try:
+        try:
+            while True:
+                self._apply_inbox()
+                if not self.engine.has_unfinished():
+                    self.metrics.observe(self.engine.snapshot(), [])
+                    if not self._streams:
+                        self._idle.set()
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)
-            except Exception as err:  # a bug or out of memory: fail every request, keep serving errors
-                logger.exception("engine step failed; every request in flight gets an error")
-                self._fail(err)
-                return
-            self.metrics.observe(self.engine.snapshot(), outputs)
-            for output in outputs:
-                output.detokenize()  # here, between steps: handlers read the text while the next one runs
-                stream = self._streams.pop(output.request_id) if output.finished \
-                    else self._streams.get(output.request_id)
-                if stream is not None:
-                    stream.put(output)
+                self.metrics.observe(self.engine.snapshot(), outputs)
+                for output in outputs:
+                    output.detokenize()  # here, between steps: handlers read the text while the next one runs
+                    stream = self._streams.pop(output.request_id, None) if output.finished \
+                        else self._streams.get(output.request_id)
+                    if stream is not None:
+                        stream.put(output)
+        except Exception as err:
+            logger.exception("the engine loop stopped; every request in flight gets an error")
+            self._fail(err)
 
     def _apply_inbox(self) -> None:
-        """Adds first, then aborts: a request aborted before it was ever added is still ended."""
+        """Adds first, then aborts: a request aborted before it was ever added is still ended. A
+        request the engine refuses fails alone: its stream gets the error, and if the engine took
+        it before refusing, it is aborted by name."""
         to_add, self._to_add = self._to_add, []
         for request_id, prompt, params, arrival, prompt_of in to_add:
             try:
                 self.engine.add_request(request_id, prompt, params, arrival_time=arrival, prompt_of=prompt_of)
-            except ValueError as err:  # the handler checked the prompt; this is the engine's last word
-                self._streams.pop(request_id).put(err)
+            except Exception as err:  # the handler checked it all; this is the engine's last word
+                logger.warning("the engine refused request %s: %r", request_id, err)
+                self._to_abort.append(request_id)
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.put(err)
         to_abort, self._to_abort = self._to_abort, []
         for request_id in to_abort:
             try:
                 self.engine.abort(request_id)
-            except ValueError:  # it finished meanwhile
+            except ValueError:  # finished meanwhile, or never taken
                 pass
 
     def _fail(self, err: Exception) -> None:
@@ -170,6 +180,11 @@ class AsyncEngine:
         self._wakeup.set()
         return stream
 
+    async def tokenize(self, fn, *args):
+        """``fn(*args)`` (tokenizing, rendering a chat template) in the tokenizer's thread: the
+        tokenizer lets go of the GIL, so the event loop keeps answering meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
     def abort(self, request_id: str) -> None:
         """End a request before the next step (its KV blocks return to the pool)."""
         self._to_abort.append(request_id)
@@ -197,3 +212,4 @@ class AsyncEngine:
             await self.drain(0)
             self._task.cancel()
         self._executor.shutdown(wait=True)
+        self._tokenizer_thread.shutdown(wait=True)

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from minillm.engine.device import add_threads_option
 from minillm.engine.engine_config import add_quantization_options
 
 ENGINE_OPTIONS = ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
                   "max_num_batched_tokens", "gpu_memory_utilization", "memory_limit",
-                  "enable_chunked_prefill", "quantization", "group_size", "kv_cache_dtype",
+                  "enable_chunked_prefill", "enable_prefix_caching", "quantization", "group_size", "kv_cache_dtype",
                   "speculative_config", "tensor_parallel_size")
 MAX_QUEUE = 1024  # requests that may wait for their first step
 SHUTDOWN_TIMEOUT_S = 10.0  # on SIGTERM/SIGINT, what in-flight requests get to finish
@@ -31,8 +33,8 @@ def add_cli(subparsers) -> None:
     cmd.add_argument("--weights", default="auto", choices=["auto", "random"],
                      help="random: the model's shape with random values (no checkpoint needed)")
     cmd.add_argument("--block-size", type=int)
-    cmd.add_argument("--num-kv-blocks", type=int, help="default: the planner sizes the pool (on "
-                                                       "the CPU give this or --memory-limit)")
+    cmd.add_argument("--num-kv-blocks", type=int, help="default: the planner sizes the pool (on the "
+                                                       "CPU: $MINILLM_CPU_KVCACHE_SPACE GiB, default 4)")
     cmd.add_argument("--memory-limit", help="plan the KV pool as if the device had this much, e.g. 2GiB")
     cmd.add_argument("--gpu-memory-utilization", type=float)
     cmd.add_argument("--max-model-len", type=int)
@@ -41,7 +43,10 @@ def add_cli(subparsers) -> None:
     cmd.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                      help="split long prompts over steps (default on); with "
                           "--no-enable-chunked-prefill a prompt must fit --max-num-batched-tokens")
+    cmd.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                     help="reuse the KV blocks of a prompt's cached prefix (default on)")
     add_quantization_options(cmd)
+    add_threads_option(cmd)
     cmd.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
                      help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", '
                           '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\' or \'{"method": '
@@ -49,7 +54,9 @@ def add_cli(subparsers) -> None:
     cmd.add_argument("--tensor-parallel-size", type=int,
                      help="ranks (one process and device each) that split every layer (default 1)")
     cmd.add_argument("--served-model-name", help="the name clients ask for (default: MODEL as given)")
-    cmd.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    cmd.add_argument("--api-key", default=os.environ.get("MINILLM_API_KEY") or None,
+                     help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and "
+                          "/detokenize (default: $MINILLM_API_KEY, else none)")
     cmd.add_argument("--max-queue", type=int, default=MAX_QUEUE,
                      help="requests waiting at most; beyond it 503 with Retry-After (default %(default)s)")
     cmd.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
@@ -71,7 +78,8 @@ def speculative_config(text: str) -> dict:
 
 
 def run_cli(args) -> int:
-    """Serve until SIGTERM/SIGINT (exit 0); exit code 2 with a one-line reason for a bad setting."""
+    """Serve until SIGTERM/SIGINT (exit 0); exit code 1 if the engine loop stopped on an error, 2
+    with a one-line reason for a bad setting."""
     try:
         from minillm.server.api_server import serve
     except ImportError as err:

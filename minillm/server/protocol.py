@@ -6,9 +6,13 @@ Values are checked once, by the engine's own ``SamplingParams``, whose ``ValueEr
 Fields minillm cannot honour (``best_of``, ``suffix``, tools, ...) are refused by name rather
 than silently ignored, and so is every field it does not know (``minillm`` refuses what vLLM would
 log as ignored and drop: an answer computed without a setting the client sent is not the answer
-it asked for). A field sent as ``null`` counts as not sent, and a few of OpenAI's fields that
-change nothing about the answer (:data:`NO_EFFECT`: ``user``, ``metadata``, ...) are taken and
-ignored. Every error a client gets is an :class:`APIError`: an HTTP status, a ``reason`` for the
+it asked for). Every request model derives from :class:`Body`: a field sent as ``null`` counts as
+not sent, at every level, and text with a lone surrogate (``"\\ud800"``: JSON allows it, Unicode
+does not) is a 400 naming where it is. A few of OpenAI's fields that change nothing about the
+answer (:data:`NO_EFFECT`: ``user``, ``metadata``, ``reasoning_effort``, ...) are taken and
+ignored, and so are the values of :data:`HARMLESS` that ask for what minillm does anyway
+(``tool_choice`` "none"); other values of it can never succeed and are a 400. ``response_format``
+is text, a JSON object or JSON for a schema (structured output, through a grammar). Every error a client gets is an :class:`APIError`: an HTTP status, a ``reason`` for the
 server's log and its ``request_rejected`` counter, and OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -16,18 +20,23 @@ from __future__ import annotations
 
 import re
 from contextlib import contextmanager
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from minillm.engine.sampling import SamplingParams
+from minillm.engine.structured import StructuredOutputsParams
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}
-UNSUPPORTED = ("echo", "suffix", "tools", "response_format", "best_of")  # refused when on
+UNSUPPORTED = ("echo", "suffix", "tools", "best_of")  # refused when on
 UNSUPPORTED_OFF = {"best_of": 1}  # what else means "off" besides false, 0 and empty
 MAX_N = 128  # answers per prompt at most (OpenAI's bound)
-NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")  # taken, ignored
+NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
+             "prompt_cache_key", "safety_identifier")  # taken, ignored
+HARMLESS = {"tool_choice": ("none", "auto")}  # and others: 400
 REASONS = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
            499: "client_closed", 500: "internal_error", 503: "unavailable"}  # by status, by default
 EXPECTED = {"prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
@@ -59,7 +68,9 @@ def validation_error(err: ValidationError | list[dict]) -> APIError:
     for e in errors:
         loc = [str(part) for part in e["loc"] if part != "body"]
         field = loc[0] if loc else "body"
-        if not loc and e["type"] != "missing":
+        if e["type"] == "lone_surrogate":
+            by_field[e["ctx"]["field"]] = e["msg"]
+        elif not loc and e["type"] != "missing":
             by_field[field] = "the request body must be a JSON object"
         elif field in EXPECTED:
             by_field[field] = f"must be {EXPECTED[field]}"
@@ -69,16 +80,77 @@ def validation_error(err: ValidationError | list[dict]) -> APIError:
     return APIError(400, message, param=next(iter(by_field)))
 
 
-class StreamOptions(BaseModel):
+def _lone_surrogate(value, path: str) -> str | None:
+    """Where in a parsed JSON value a string holds a lone surrogate, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) \
+        if isinstance(value, list) else ()
+    for key, item in items:
+        found = _lone_surrogate(item, f"{path}[{key}]" if isinstance(key, int) else
+                                f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+class Body(BaseModel):
+    """A request body or a part of one: types checked strictly, ``null`` as not sent."""
+
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data):
+        if not isinstance(data, dict):
+            return data
+        where = _lone_surrogate(data, "")
+        if where is not None:
+            raise PydanticCustomError("lone_surrogate", "{field} holds a lone surrogate "
+                                      "(U+D800..U+DFFF), which is not text: send valid Unicode",
+                                      {"field": where})
+        return {key: value for key, value in data.items() if value is not None}
+
+
+class StreamOptions(Body):
     include_usage: bool = False  # a last chunk with the usage
     continuous_usage_stats: bool = False  # vLLM's extension: with include_usage, usage in every chunk
 
 
-class GenerationRequest(BaseModel):
+class JSONSchemaFormat(Body):
+    """``response_format.json_schema``: OpenAI's name, description and strict flag (the schema is
+    always enforced), and the schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    """``response_format``: plain text, any JSON object, or JSON valid for a schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise APIError(400, "response_format: json_schema ({name, schema}) goes with, and only with, "
+                                "type 'json_schema'", param="response_format")
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.json_schema.json_schema)
+        return StructuredOutputsParams(json_object=True) if self.type == "json_object" else None
+
+
+class GenerationRequest(Body):
     """What completions and chat completions share: sampling, stopping, streaming."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -98,14 +170,20 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM's extension: token ids in each choice
+    response_format: ResponseFormat | None = None  # JSON output, through a grammar
 
     def check_supported(self) -> None:
         """Refuse what minillm does not do, by name (400)."""
         if not 1 <= self.n <= MAX_N:
             raise APIError(400, f"n must be an int in [1, {MAX_N}], got n={self.n}", param="n")
         for name, value in (self.model_extra or {}).items():
-            if value is None or name in NO_EFFECT:
+            if name in NO_EFFECT or value in HARMLESS.get(name, ()):
                 continue
+            if name in HARMLESS:
+                raise APIError(400, f"{name}={value!r} can never be met by minillm (it calls no "
+                                    f"tools and writes plain text): send one of "
+                                    f"{list(HARMLESS[name])} or leave it out", param=name,
+                               reason="unsupported")
             if name not in UNSUPPORTED:
                 raise APIError(400, f"unknown field {name!r}: minillm takes no such parameter "
                                     f"(remove it, or check its spelling)", param=name,
@@ -145,7 +223,7 @@ class GenerationRequest(BaseModel):
     @property
     def client_names(self) -> dict[str, str]:
         """``SamplingParams``' field names -> the client's, where they differ."""
-        return {"max_tokens": self.max_tokens_field}
+        return {"max_tokens": self.max_tokens_field, "structured_outputs": "response_format"}
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -170,7 +248,8 @@ class GenerationRequest(BaseModel):
                 stop_token_ids=tuple(self.stop_token_ids or ()), seed=self.seed, stop=tuple(self.stop_strings),
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, logit_bias=bias, min_p=self.min_p,
-                logprobs=self.num_logprobs)
+                logprobs=self.num_logprobs,
+                structured_outputs=self.response_format and self.response_format.structured_outputs())
 
 
 @contextmanager
@@ -189,7 +268,8 @@ def client_fields(client_names: dict[str, str] | None = None):
 class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``: one prompt or a list, as text or token ids."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]],
+                      Field(union_mode="left_to_right")]  # one pass over a long list of ids
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None  # top logprobs per token, the sampled token's besides
     echo: bool = False  # the prompt's text before each answer
@@ -209,16 +289,21 @@ class CompletionRequest(GenerationRequest):
         return list(self.prompt)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class TextPart(Body):
     type: str
     text: str = ""
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class ChatMessage(Body):
     role: str
     content: str | list[TextPart] | None = None
+
+    @property
+    def num_chars(self) -> int:
+        """The characters of its text, which its rendering holds at least."""
+        if isinstance(self.content, list):
+            return sum(len(part.text) for part in self.content)
+        return len(self.content or "")
 
     def as_template_input(self) -> dict:
         """The message as a chat template reads it: text content only."""
@@ -256,3 +341,27 @@ class ChatCompletionRequest(GenerationRequest):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(Body):
+    """``POST /tokenize`` (vLLM's): a ``prompt``, or ``messages`` rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # with messages
+    add_special_tokens: bool = True  # with a prompt: what a completion's prompt gets (BOS, ...)
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "send either prompt or messages", param="prompt")
+
+
+class DetokenizeRequest(Body):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]

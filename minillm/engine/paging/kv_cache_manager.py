@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from minillm.engine.engine_config import PREFIX_INDEXES, check_choice, check_positive_int
+from minillm.engine.engine_config import PREFIX_INDEXES, check_choice
 from minillm.engine.paging.block_pool import BlockPool
 from minillm.engine.paging.hash_index import HashPrefixIndex
 from minillm.engine.paging.radix_index import RadixPrefixIndex
@@ -39,7 +39,6 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  prefix_index: str = "hash"):
-        check_positive_int("block_size", block_size)
         check_choice("prefix_index", prefix_index, PREFIX_INDEXES)
         self.pool = BlockPool(num_blocks)
         self.num_blocks = num_blocks

@@ -12,8 +12,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from minillm.engine.engine_config import check_positive_int
-
 
 def full_blocks(token_ids: Sequence[int], block_size: int) -> list[tuple[int, ...]]:
     """The tokens of each full block, in order (a partly filled last block is left out)."""
@@ -31,7 +29,6 @@ class PrefixIndex(ABC):
     """
 
     def __init__(self, block_size: int):
-        check_positive_int("block_size", block_size)
         self.block_size = block_size
 
     @abstractmethod
