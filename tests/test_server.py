@@ -288,6 +288,9 @@ def test_logprobs_in_openais_two_shapes_streamed_too(chat_server):
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs=true"):
         client.chat.completions.create(model="tiny-chat", messages=messages, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match=r"top_logprobs must be None or an int in \[0, 20\]") as caught:
+        client.chat.completions.create(model="tiny-chat", messages=messages, logprobs=True, top_logprobs=21)
+    assert caught.value.body["param"] == "top_logprobs"
     wait_until_idle(chat_server)
 
 
@@ -429,7 +432,8 @@ BAD_INPUTS = [  # (endpoint, body or raw text, status, words the message must co
     ("completions", {"prompt": [1, 2], "temperature": -0.5}, 400, "temperature"),
     ("completions", {"prompt": [1, 2], "top_p": 0}, 400, "top_p"),
     ("completions", {"prompt": [1, 2], "top_p": 1.5}, 400, "top_p"),
-    ("completions", {"prompt": [1, 2], "n": 0}, 400, "n must be an int >= 1"),
+    ("completions", {"prompt": [1, 2], "n": 0}, 400, "n must be an int in [1, 128]"),
+    ("completions", {"prompt": [1, 2], "n": 10**9}, 400, "n must be an int in [1, 128]"),
     ("completions", '{"prompt": [1, 2], "max_tokens": ', 400, "not valid JSON"),
     ("completions", "[1, 2]", 400, "JSON object"),
     ("completions", {"prompt": [1, 2], "max_tokens": 1.5}, 400, "max_tokens"),

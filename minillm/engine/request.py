@@ -157,13 +157,16 @@ class Request:
 class RequestOutput:
     """A request after one step: the tokens that step made (``new_token_ids``, for streaming) and,
     through ``token_ids``, all its generated tokens so far (copied only when read). With a
-    tokenizer, ``new_text`` is the text safe to send since the last output and ``text`` all of it
-    so far (the whole answer once finished, cut before a stop string); None without one.
+    tokenizer, ``new_text`` is the text safe to send since the request's previous output and
+    ``text`` all of it so far (the whole answer once finished, cut before a stop string); None
+    without one. The text is decoded when first read (or by :meth:`detokenize`), so a caller that
+    reads only the last output's ``text`` decodes once, not at every step: read (or
+    :meth:`detokenize`) a request's outputs in step order, before the next step runs.
     ``new_logprobs``: one :class:`~minillm.engine.sampling.TokenLogprob` per new token when the
     request asked for logprobs (all of them so far: ``logprobs``), else None."""
 
     __slots__ = ("request_id", "prompt_token_ids", "new_token_ids", "finished", "finish_reason", "metrics",
-                 "num_cached_tokens", "new_text", "text", "new_logprobs", "_request", "_num_outputs")
+                 "num_cached_tokens", "new_logprobs", "_request", "_num_outputs", "_new_text", "_text")
 
     def __init__(self, request: Request, new_token_ids: list[int]):
         self.request_id = request.request_id
@@ -173,9 +176,7 @@ class RequestOutput:
         self.finish_reason = request.finish_reason  # "stop" | "length" | "abort" once finished
         self.metrics = request.metrics
         self.num_cached_tokens = request.num_cached_tokens  # prompt tokens served by the prefix cache
-        text = request.detokenizer
-        self.new_text = text.take() if request.tokenizer is not None else None
-        self.text = text.sent if request.tokenizer is not None else None
+        self._new_text = self._text = None
         self.new_logprobs = (request.logprobs[len(request.logprobs) - len(new_token_ids):]
                              if request.params.logprobs is not None else None)
         self._request, self._num_outputs = request, len(request.output_token_ids)
@@ -183,6 +184,22 @@ class RequestOutput:
     @property
     def token_ids(self) -> list[int]:
         return self._request.output_token_ids[:self._num_outputs]
+
+    def detokenize(self) -> None:
+        """Decode this output's text now (once; nothing without a tokenizer)."""
+        if self._new_text is None and self._request.tokenizer is not None:
+            self._new_text = self._request.detokenizer.take()
+            self._text = self._request.detokenizer.sent
+
+    @property
+    def new_text(self) -> str | None:
+        self.detokenize()
+        return self._new_text
+
+    @property
+    def text(self) -> str | None:
+        self.detokenize()
+        return self._text
 
     @property
     def logprobs(self) -> list[TokenLogprob] | None:

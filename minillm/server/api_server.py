@@ -458,7 +458,7 @@ async def _start(async_engine: AsyncEngine, model_name: str, prefix: str, body: 
     per_prompt = [body.sampling_params(_max_tokens(engine.config.max_model_len, len(p),
                                                    body.requested_max_tokens(), body.max_tokens_field))
                   for p in prompts]
-    with client_fields(body.max_tokens_field):
+    with client_fields(body.client_names):
         if any(p.structured_outputs for p in per_prompt):  # a JSON schema compiles off the event loop
             await asyncio.to_thread(lambda: [engine.check_params(p) for p in per_prompt])
         else:

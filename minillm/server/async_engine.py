@@ -121,6 +121,7 @@ class AsyncEngine:
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)
                 self.metrics.observe(self.engine.snapshot(), outputs)
                 for output in outputs:
+                    output.detokenize()  # here, between steps: handlers read the text while the next one runs
                     stream = self._streams.pop(output.request_id, None) if output.finished \
                         else self._streams.get(output.request_id)
                     if stream is not None:

@@ -19,6 +19,7 @@ server's log and its ``request_rejected`` counter, and OpenAI's body
 from __future__ import annotations
 
 import json
+import re
 from contextlib import contextmanager
 from typing import Annotated, Literal
 
@@ -34,6 +35,7 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
                503: "ServiceUnavailableError"}
 UNSUPPORTED = ("echo", "suffix", "tools", "best_of")  # refused when on
 UNSUPPORTED_OFF = {"best_of": 1}  # what else means "off" besides false, 0 and empty
+MAX_N = 128  # answers per prompt at most (OpenAI's bound)
 NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
              "prompt_cache_key", "safety_identifier")  # taken, ignored
 HARMLESS = {"tool_choice": ("none", "auto")}  # and others: 400
@@ -176,8 +178,8 @@ class GenerationRequest(Body):
 
     def check_supported(self) -> None:
         """Refuse what minillm does not do, by name (400)."""
-        if self.n < 1:
-            raise APIError(400, f"n must be an int >= 1, got n={self.n}", param="n")
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(400, f"n must be an int in [1, {MAX_N}], got n={self.n}", param="n")
         for name, value in (self.model_extra or {}).items():
             if name in NO_EFFECT or value in HARMLESS.get(name, ()):
                 continue
@@ -222,6 +224,11 @@ class GenerationRequest(Body):
         """The name under which the client asked for a length, for its error messages."""
         return "max_tokens"
 
+    @property
+    def client_names(self) -> dict[str, str]:
+        """``SamplingParams``' field names -> the client's, where they differ."""
+        return {"max_tokens": self.max_tokens_field, "structured_outputs": "response_format"}
+
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
@@ -237,7 +244,7 @@ class GenerationRequest(Body):
         except ValueError:
             raise APIError(400, f"logit_bias: keys must be token ids, got {list(self.logit_bias)[:5]}",
                            param="logit_bias") from None
-        with client_fields(self.max_tokens_field):
+        with client_fields(self.client_names):
             return SamplingParams(
                 temperature=self.temperature, top_p=self.top_p,
                 top_k=0 if self.top_k in (None, -1) else self.top_k, max_tokens=max_tokens,
@@ -250,13 +257,15 @@ class GenerationRequest(Body):
 
 
 @contextmanager
-def client_fields(max_tokens_field: str = "max_tokens"):
+def client_fields(client_names: dict[str, str] | None = None):
     """The engine's ValueError (its messages start with the field's name) as a 400 naming the field
-    the client sent."""
+    as the client sent it (``client_names``: the engine's name -> the client's)."""
     try:
         yield
     except ValueError as err:
-        message = str(err).replace("max_tokens", max_tokens_field).replace("structured_outputs", "response_format")
+        message = str(err)
+        for engine_name, client_name in (client_names or {}).items():
+            message = re.sub(rf"\b{engine_name}\b", client_name, message)
         raise APIError(400, message, param=message.split(" ", 1)[0].rstrip(":")) from None
 
 
@@ -324,6 +333,10 @@ class ChatCompletionRequest(GenerationRequest):
     add_generation_prompt: bool = True  # vLLM's extension
     logprobs: bool = False
     top_logprobs: int | None = None  # with logprobs: this many top tokens per token
+
+    @property
+    def client_names(self) -> dict[str, str]:
+        return {**super().client_names, "logprobs": "top_logprobs"}
 
     @property
     def num_logprobs(self) -> int | None:
