@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 
 import torch
 
-from minillm.engine.device import synchronize
 from minillm.engine.llm import LLM
 from minillm.engine.loader import load_model
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.structured import StructuredOutputsParams
 from minillm.lab.bench_cli import add_options, report
 from minillm.lab.bench_serve import torch_threads
+from minillm.lab.hardware import time_once
 from minillm.lab.machine_profile import CPU_THREADS
 
 NUM_KV_BLOCKS = 256  # of 16 tokens: room for the default batch's prompts and answers
@@ -65,11 +64,11 @@ def _bench(model_name, device, dtype, batch: int, steps: int) -> dict:
     grammar.apply(logits, *grammar.fill(ids))  # warm-up (on a GPU, the first apply compiles its kernel)
     times = {"plain": [], "structured": [], "fill": [], "apply": []}
     for _ in range(steps):
-        times["plain"].append(_timed(plain.step, model.device))
+        times["plain"].append(time_once(plain.step, model.device))
         filled = {}
-        times["fill"].append(_timed(lambda: filled.update(mask=grammar.fill(ids)), model.device))
-        times["apply"].append(_timed(lambda: grammar.apply(logits, *filled["mask"]), model.device))
-        times["structured"].append(_timed(structured.step, model.device))
+        times["fill"].append(time_once(lambda: filled.update(mask=grammar.fill(ids)), model.device))
+        times["apply"].append(time_once(lambda: grammar.apply(logits, *filled["mask"]), model.device))
+        times["structured"].append(time_once(structured.step, model.device))
     for llm in (plain, structured):
         for request_id in list(llm.scheduler.requests):
             llm.abort(request_id)
@@ -81,14 +80,6 @@ def _bench(model_name, device, dtype, batch: int, steps: int) -> dict:
             "decode_step_s": median["plain"], "structured_step_s": median["structured"],
             "fill_s": median["fill"], "apply_s": median["apply"], "mask_s": mask,
             "mask_share": mask / median["plain"]}
-
-
-def _timed(fn, device) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - start
 
 
 def format_structured(r: dict) -> str:

@@ -26,7 +26,7 @@ from minillm.engine.loader import TORCH_DTYPES, checkpoint_weights, load_model
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.units import ceil_div
 from minillm.lab.bench_cli import add_options, report
-from minillm.lab.hardware import describe_device
+from minillm.lab.hardware import describe_device, time_once
 from minillm.lab.workload import Workload, make_workload, random_prompts, throughput_workload
 
 WARMUP_PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -108,10 +108,10 @@ def _run_single(llm: LLM, hf, single: Workload) -> dict:
     llm.generate(_warmup_prompts(llm.model.config.vocab_size), WARMUP_PARAMS, use_tqdm=False)
     runs = {"minillm": [], "transformers": []}
     for _ in range(SINGLE_REPEATS):
-        runs["minillm"].append(_timed(lambda: llm.generate(single.prompts, single.params, use_tqdm=False),
+        runs["minillm"].append(time_once(lambda: llm.generate(single.prompts, single.params, use_tqdm=False),
                                       llm.model.device))
         if hf is not None:
-            runs["transformers"].append(_timed(lambda: _hf_batch(hf, single.prompts, single.output_lens[0]),
+            runs["transformers"].append(time_once(lambda: _hf_batch(hf, single.prompts, single.output_lens[0]),
                                                hf.device))
     result = {}
     for name, seconds in runs.items():
@@ -122,14 +122,6 @@ def _run_single(llm: LLM, hf, single: Workload) -> dict:
     if hf is not None:
         result["ratio"] = result["minillm"]["output_throughput"] / result["transformers"]["output_throughput"]
     return result
-
-
-def _timed(fn, device) -> float:
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - start
 
 
 def _run_minillm(llm: LLM, workload: Workload) -> dict:

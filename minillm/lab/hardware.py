@@ -91,6 +91,12 @@ def measure_seconds(fn: Callable[[], object], device: torch.device | str, repeat
     return samples
 
 
+def time_once(fn: Callable[[], object], device: torch.device | str) -> float:
+    """Seconds of one call of ``fn``, the device synchronized before and after (no warm-up: for
+    runs that take turns, each already warm)."""
+    return measure_seconds(fn, device, repeats=1, warmup=0)[0]
+
+
 def probe_copy_bandwidth(device: torch.device | str | None = None, nbytes: int | None = None,
                          repeats: int | None = None) -> float:
     """Measured memory bandwidth in bytes/s: bytes moved (read + written) by a large tensor copy.
