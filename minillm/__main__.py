@@ -210,11 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_quantization_options(pln)
     pln.set_defaults(func=cmd_plan)
-    from minillm.lab import (bench, bench_host, bench_plan, bench_quality, bench_serve, bench_speculative,
-                             bench_step, bench_structured, bench_throughput, diagnose, loadgen)
+    from minillm.lab import (bench, bench_host, bench_llamacpp, bench_plan, bench_quality, bench_serve,
+                             bench_speculative, bench_step, bench_structured, bench_throughput, diagnose,
+                             loadgen)
 
     bench_commands = bench.add_cli(commands)
     bench_host.add_cli(bench_commands)
+    bench_llamacpp.add_cli(bench_commands)
     bench_quality.add_cli(bench_commands)
     bench_throughput.add_cli(bench_commands)
     bench_plan.add_cli(bench_commands)

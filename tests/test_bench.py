@@ -1,5 +1,6 @@
 """Recorded benchmarks: the record's keys, the sweeps on the tiny preset, the CLI."""
 import argparse
+import sys
 
 import pytest
 import torch
@@ -225,3 +226,15 @@ def test_step_breakdown_splits_the_profiled_step_and_sets_the_floor(monkeypatch,
     assert r["floor_share"] == pytest.approx(floor.seconds / r["step_s"])
     text = bench_step.format_step_breakdown(r)
     assert all(part in text for part in parts) and "quantization int8)" in text
+
+
+def test_llamacpp_bench_needs_a_gguf_and_the_optional_package(monkeypatch, capsys):
+    from minillm.__main__ import main
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not installed: import fails
+    assert main(["bench", "llamacpp", "--model", "tiny", "--threads", "1"]) == 2
+    assert "needs a .gguf file" in capsys.readouterr().err
+    assert main(["bench", "llamacpp", "--threads", "1"]) == 2
+    assert "pip install llama-cpp-python" in capsys.readouterr().err
+    assert main(["bench", "llamacpp", "--threads", "1", "--max-tokens", "1"]) == 2
+    assert "new_tokens must be an int >= 2, got 1" in capsys.readouterr().err

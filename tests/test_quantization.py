@@ -196,3 +196,20 @@ def test_bench_quality_prints_one_json_object(capsys):
     assert result["tokens"] == 128 and result["model"] == "smollm2-135m"
     assert result["perplexity_ratio"] == result["perplexity"] / result["baseline_perplexity"]
     assert 0.5 < result["top1_agreement"] <= 1 and 1 < result["baseline_perplexity"] < 100
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_stacked_projections_compute_exactly_what_the_separate_ones_do(quantization):
+    full = load_model("tiny", device="cpu", weights="random")
+    quant = load_model("tiny", device="cpu", weights="random", quantization=quantization)
+    layer = Int4Linear if quantization == "int4" else Int8Linear
+    x = torch.randn(5, full.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    for ours, theirs in zip(quant.model.layers, full.model.layers, strict=True):
+        attn, mlp = ours.self_attn, ours.mlp
+        assert not hasattr(attn, "q_proj") and not hasattr(mlp, "up_proj")  # no copy of the rows
+        for stacked, parts in ((attn.project(x), (theirs.self_attn.q_proj, theirs.self_attn.k_proj,
+                                                   theirs.self_attn.v_proj)),
+                               (mlp.gate_up(x), (theirs.mlp.gate_proj, theirs.mlp.up_proj))):
+            for y, linear in zip(stacked, parts, strict=True):
+                separate = layer(linear, 32) if quantization == "int4" else layer(linear)
+                assert torch.equal(y, separate(x))

@@ -35,8 +35,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.to(torch.float32)
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if x.dtype == torch.float32:  # one fused op
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        normed = F.rms_norm(x.to(torch.float32), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
 
@@ -78,18 +79,21 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(config)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin ``[T, 1, d]``: ``sin`` is negated on the first half, so that
+        :func:`apply_rope` rotates with one ``roll`` instead of splitting, negating and joining."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].to(torch.float32) * self.inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        sin = angles.sin()
+        sin[..., :freqs.shape[-1]].neg_()
+        return angles.cos().to(dtype), sin.to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each head of ``x`` [T, heads, d] by its token's angles (the half-split layout of HF)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each head of ``x`` [T, heads, d] by its token's angles (the half-split layout of HF):
+    ``x * cos + (-x2, x1) * sin``, where ``(x2, x1)`` is ``x`` rolled by half a head."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class Attention(nn.Module):
@@ -106,12 +110,18 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.q_size, hidden, bias=config.o_bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.sizes = [config.q_size, config.kv_size, config.kv_size]
+        self.qkv_proj = None  # q_proj, k_proj and v_proj stacked into one (minillm.engine.quantization)
+
+    def project(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """q, k and v of ``x``: one stacked linear when quantization stacked them, else three."""
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x).split(self.sizes, dim=-1)
+        return [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
 
     def forward(self, x, cos, sin, attn: AttentionMetadata, k_cache, v_cache, backend: str):
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, -1, self.head_dim)
-        k = self.k_proj(x).view(tokens, -1, self.head_dim)
-        v = self.v_proj(x).view(tokens, -1, self.head_dim)
+        q, k, v = (y.view(tokens, -1, self.head_dim) for y in self.project(x))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -134,9 +144,22 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
         self.up_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inner, hidden, bias=config.mlp_bias)
+        self.gate_up_proj = None  # gate_proj and up_proj stacked into one (minillm.engine.quantization)
+
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate(x) and up(x): one stacked linear when quantization stacked them, else two."""
+        if self.gate_up_proj is not None:
+            return self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.gate_proj(x), self.up_proj(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(*self.gate_up(x)))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, gate activated in place: three ``[T, I]`` alive at most, and only the
+    product once it returns (the memory plan's count)."""
+    return F.silu(gate, inplace=True) * up
 
 
 class MixtralExpert(nn.Module):

@@ -70,10 +70,10 @@ def activation_estimate(cfg: ModelConfig, num_tokens: int, num_sampled_rows: int
 
     The largest of three moments of the step, each counting what is alive at once. In a layer, the
     caller still holds the layer's input ``[T, h]`` and the forward holds RoPE's cos and sin
-    ``[T, d]`` each. Attention adds the normed input and q/k/v, then either RoPE's four copies of q
+    ``[T, d]`` each. Attention adds the normed input and q/k/v, then either RoPE's three copies of q
     while it rotates q or, in a qk-norm model (Qwen3), RMSNorm's copies of q while it normalizes q
-    (a float32 copy and result of a 16-bit q, then the result in the model's dtype and the
-    weighted output). The MLP adds the residual after attention, the normed input and ``[T, I]``
+    (the float32 result of a 16-bit q, its float32 copy gone by then, then the result in the
+    model's dtype and the weighted output). The MLP adds the residual after attention, the normed input and ``[T, I]``
     three times (silu(gate), up, their product); an MoE layer, at most (one expert gets every
     token), holds instead of the three ``[T, I]`` its output accumulated over the experts and an
     expert's gathered rows ``[T, h]``, the router's float32 probabilities ``[T, E]``,
@@ -84,8 +84,8 @@ def activation_estimate(cfg: ModelConfig, num_tokens: int, num_sampled_rows: int
     """
     t, h, d, b = num_tokens, cfg.hidden_size, cfg.head_dim, torch_dtype(dtype).itemsize
     q, kv = cfg.q_size, cfg.kv_size
-    upcast = 8 if b < 4 else 0  # RMSNorm's float32 copy and result, per element of a 16-bit input
-    rope = (2 * h + 2 * d + 5 * q + 2 * kv) * b
+    upcast = 4 if b < 4 else 0  # RMSNorm's float32 result, per element of a 16-bit input
+    rope = (2 * h + 2 * d + 4 * q + 2 * kv) * b
     q_norm = (2 * h + 2 * d + 2 * kv) * b + q * (3 * b + upcast) if cfg.qk_norm else 0
     attention = t * max(rope, q_norm)
     mlp = t * (3 * h + 2 * d + 3 * cfg.intermediate_size) * b

@@ -110,7 +110,7 @@ class Int8Linear(nn.Module):
         return self.qweight.float() * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if x.is_cuda:
             from minillm.engine.kernels.triton_quant import int8_linear
 
@@ -120,7 +120,7 @@ class Int8Linear(nn.Module):
         else:
             y = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.qweight,
                                                    self.scale.to(torch.bfloat16)).to(x.dtype)
-        y = y.reshape(*x.shape[:-1], self.out_features)
+        y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -157,7 +157,7 @@ class Int4Linear(nn.Module):
         return dequantize_int4(q, params[..., 0], params[..., 1], self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if x.is_cuda:
             from minillm.engine.kernels.triton_quant import int4_linear
 
@@ -167,17 +167,42 @@ class Int4Linear(nn.Module):
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 rows.to(torch.bfloat16), self.qweight, self.group_size, self.group_params).to(x.dtype)
-        y = y.reshape(*x.shape[:-1], self.out_features)
+        y = y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
 OUTPUT_LAYER = "lm_head"
 
 
+STACKS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def stack_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One linear over the same input whose output rows are those of ``linears``, in order."""
+    first = linears[0]
+    stacked = nn.Linear(first.in_features, sum(lin.out_features for lin in linears),
+                        bias=first.bias is not None, device="meta")
+    stacked.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
+    if first.bias is not None:
+        stacked.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
+    return stacked
+
+
 def quantize_model(model: nn.Module, quantization: str, group_size: int = 32) -> nn.Module:
     """Replace every linear of the layers with its ``quantization`` twin and the output layer with
-    its int8 one, in place (a tied output layer gets its own copy; the embedding table stays)."""
+    its int8 one, in place (a tied output layer gets its own copy; the embedding table stays).
+
+    The linears that read the same input are stacked first (``STACKS``: q, k and v; gate and up),
+    so that a step runs one quantized kernel where it ran three (or two), converting its input to
+    bf16 once. Both formats quantize each output row on its own, so the stacked rows are exactly
+    the separate ones'."""
     check_quantization(quantization, group_size)
+    for module in list(model.modules()):
+        for stacked_name, names in STACKS.items():
+            if getattr(module, stacked_name, False) is None:  # a stack slot this module leaves empty
+                setattr(module, stacked_name, stack_linears([getattr(module, name) for name in names]))
+                for name in names:
+                    delattr(module, name)
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     with torch.no_grad():
         for name, linear in targets:

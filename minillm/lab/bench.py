@@ -106,8 +106,8 @@ def time_linear_layers(model: Transformer, rows: int, repeats: int, every_row_lo
     def run():
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                proj(x_hidden)
+            attn.project(x_hidden)
+            mlp.gate_up(x_hidden)
             attn.o_proj(x_heads)
             mlp.down_proj(x_inner)
         model.lm_head(x_hidden if every_row_logits else x_hidden[-1:])

@@ -37,11 +37,10 @@ def _gather_context(cache, block_tables, length: int):
 
 def _attend(q, k, v, scale, mask=None, is_causal=False):
     """Softmax attention of q ``[B, n_h, Lq, d]`` over k, v ``[B, n_kv, Lk, d]`` in >= float32."""
-    compute_dtype = torch.promote_types(q.dtype, torch.float32)
-    out = F.scaled_dot_product_attention(q.to(compute_dtype), k.to(compute_dtype),
-                                         v.to(compute_dtype), attn_mask=mask,
-                                         is_causal=is_causal, scale=scale, enable_gqa=True)
-    return out.to(q.dtype)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    out = F.scaled_dot_product_attention(*(t if t.dtype == dtype else t.to(dtype) for t in (q, k, v)),
+                                         attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
@@ -54,8 +53,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
     length = int(seq_lens.max())
     k = _gather_context(k_cache, block_tables, length)
     v = _gather_context(v_cache, block_tables, length)
-    past_end = torch.arange(length, device=q.device) >= seq_lens[:, None]
-    mask = ~past_end[:, None, None, :] if past_end.any() else None
+    mask = None
+    if len(seq_lens) > 1:  # one sequence attends to all `length` positions: nothing to mask
+        past_end = torch.arange(length, device=q.device) >= seq_lens[:, None]
+        mask = ~past_end[:, None, None, :] if past_end.any() else None
     out = _attend(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), scale, mask=mask)
     return out[:, :, 0, :]
 

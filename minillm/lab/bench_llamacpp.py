@@ -1,0 +1,139 @@
+"""minillm beside llama.cpp on the same GGUF file (chapter 解码: a small model on a laptop).
+
+``python -m minillm bench llamacpp``: one request at a time, the same prompt token ids, greedy, the
+same CPU threads on both sides (the thread policy's). Each round runs minillm's engine, then
+llama.cpp (through ``llama-cpp-python``), so that a machine whose load drifts slows both alike;
+the medians over the rounds give prefill tokens per second (the prompt's step, its first token
+sampled) and decode tokens per second (one step per token after it), and their ratios.
+
+``llama-cpp-python`` is optional and not a requirement of the book: it builds llama.cpp from
+source (``pip install llama-cpp-python``, minutes on a laptop), so this benchmark is not in CI.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+from minillm.engine.config import resolve_checkpoint
+from minillm.engine.engine_config import add_quantization_options
+from minillm.engine.llm import LLM
+from minillm.engine.loader import torch_dtype
+from minillm.engine.sampling import SamplingParams
+from minillm.lab.bench_cli import add_options, report
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ValueError("bench llamacpp needs llama-cpp-python, which is not a requirement of the "
+                         "book: pip install llama-cpp-python (it builds llama.cpp from source)") from None
+    return llama_cpp
+
+
+def _minillm_round(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, list[float], list[int]]:
+    """(prefill seconds, decode step seconds, tokens) of one greedy request through the engine."""
+    llm.add_request("bench", prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    seconds, tokens = [], []
+    while llm.has_unfinished():
+        start = time.perf_counter()
+        (out,) = llm.step()
+        seconds.append(time.perf_counter() - start)
+        tokens += out.new_token_ids
+    return seconds[0], seconds[1:], tokens
+
+
+def _llama_round(llama, prompt: list[int], new_tokens: int) -> tuple[float, list[float], list[int]]:
+    """The same through llama.cpp: its ``generate`` yields each token once it is sampled (after
+    ``reset``, which keeps it from reusing the last round's prompt)."""
+    seconds, tokens = [], []
+    llama.reset()
+    start = time.perf_counter()
+    for token in llama.generate(prompt, top_k=1, temp=0.0, reset=True):
+        now = time.perf_counter()
+        seconds.append(now - start)
+        tokens.append(token)
+        if len(tokens) == new_tokens:
+            break
+        start = time.perf_counter()
+    return seconds[0], seconds[1:], tokens
+
+
+def bench_llamacpp(model_name: str = "smollm2-135m", device=None, dtype=None, quantization=None,
+                   group_size: int = 32, kv_cache_dtype: str = "auto", prompt_len: int = 128, new_tokens: int = 64, rounds: int = 3,
+                   seed: int = 0) -> dict:
+    """Prefill and decode tokens per second of minillm and llama.cpp on ``model_name``'s GGUF file,
+    ``rounds`` rounds interleaved, and minillm's over llama.cpp's."""
+    for name, value in (("prompt_len", prompt_len), ("new_tokens", new_tokens), ("rounds", rounds)):
+        if not isinstance(value, int) or value < (2 if name == "new_tokens" else 1):
+            raise ValueError(f"{name} must be an int >= {2 if name == 'new_tokens' else 1}, got {value!r}")
+    path = resolve_checkpoint(model_name)
+    if path is None or path.suffix != ".gguf":
+        raise ValueError(f"{model_name}: bench llamacpp needs a .gguf file (or a preset that names one, "
+                         f"e.g. smollm2-135m)")
+    llama_cpp = _llama_cpp()
+    threads = torch.get_num_threads()
+    context = prompt_len + new_tokens
+    llm = LLM(model_name, device=device, dtype=torch_dtype(dtype), quantization=quantization,
+              group_size=group_size, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=-(-context // 16),
+              max_model_len=context, max_num_batched_tokens=context,  # the prompt in one step
+              enable_prefix_caching=False)  # each round computes the whole prompt, on both sides
+    llama = llama_cpp.Llama(str(path), n_ctx=context, n_batch=prompt_len, n_threads=threads,
+                            n_threads_batch=threads, verbose=False)
+    vocab = llm.model.config.vocab_size
+    prompt = torch.randint(vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
+    _minillm_round(llm, prompt, 2)  # warm-up, untimed
+    _llama_round(llama, prompt, 2)
+    sides = {"minillm": (_minillm_round, llm), "llama.cpp": (_llama_round, llama)}
+    prefill, decode, agree = {side: [] for side in sides}, {side: [] for side in sides}, []
+    for _ in range(rounds):
+        tokens = {}
+        for side, (run, engine) in sides.items():
+            first, steps, tokens[side] = run(engine, prompt, new_tokens)
+            prefill[side].append(first)
+            decode[side].append(statistics.median(steps))
+        same = [a == b for a, b in zip(tokens["minillm"], tokens["llama.cpp"])]
+        agree.append(same.index(False) if False in same else len(same))
+    result = {side: {"prefill_tokens_per_s": prompt_len / statistics.median(prefill[side]),
+                     "decode_tokens_per_s": 1 / statistics.median(decode[side])} for side in sides}
+    quant = "none" if quantization is None else (f"int4-g{group_size}" if quantization == "int4" else quantization)
+    return {"model": llm.model.config.name, "gguf": path.name, "dtype": str(llm.model.dtype).removeprefix("torch."),
+            "quantization": quant, "llama_cpp_version": llama_cpp.__version__, "cpu_threads": threads,
+            "prompt_len": prompt_len, "new_tokens": new_tokens, "rounds": rounds, **result,
+            "decode_ratio": result["minillm"]["decode_tokens_per_s"] / result["llama.cpp"]["decode_tokens_per_s"],
+            "prefill_ratio": result["minillm"]["prefill_tokens_per_s"] / result["llama.cpp"]["prefill_tokens_per_s"],
+            "greedy_tokens_agreed": min(agree)}
+
+
+def format_llamacpp(r: dict) -> str:
+    lines = [f"{r['gguf']}: minillm ({r['dtype']}, quantization {r['quantization']}) beside llama.cpp "
+             f"(llama-cpp-python {r['llama_cpp_version']}), {r['cpu_threads']} CPU threads, prompt "
+             f"{r['prompt_len']} tokens, {r['new_tokens']} new, {r['rounds']} rounds interleaved",
+             f"{'':<14} {'minillm':>10} {'llama.cpp':>10} {'ratio':>7}"]
+    for kind in ("prefill", "decode"):
+        ours, theirs = r["minillm"][f"{kind}_tokens_per_s"], r["llama.cpp"][f"{kind}_tokens_per_s"]
+        lines.append(f"{kind + ' tok/s':<14} {ours:>10,.1f} {theirs:>10,.1f} {r[f'{kind}_ratio']:>6.2f}x")
+    lines.append(f"greedy tokens the same on both sides before the first difference: {r['greedy_tokens_agreed']} "
+                 f"of {r['new_tokens']}")
+    return "\n".join(lines)
+
+
+def add_cli(bench_commands) -> None:
+    cmd = bench_commands.add_parser("llamacpp", help="minillm beside llama.cpp (llama-cpp-python, optional) "
+                                                     "on the same GGUF: prefill and decode, interleaved")
+    add_options(cmd, model="smollm2-135m", out=None)
+    add_quantization_options(cmd)
+    cmd.add_argument("--prompt-len", type=int, default=128)
+    cmd.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
+    cmd.add_argument("--rounds", type=int, default=3, help="rounds, each side once per round (default 3)")
+    cmd.add_argument("--json", action="store_true", help="print one JSON object")
+    cmd.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    return report(args, "llamacpp", {}, lambda device: bench_llamacpp(
+        args.model, device, args.dtype, args.quantization, args.group_size, args.kv_cache_dtype, args.prompt_len, args.max_tokens,
+        args.rounds), json.dumps if args.json else format_llamacpp)
