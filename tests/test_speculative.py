@@ -203,12 +203,12 @@ def test_metrics_export_the_speculation_counters_under_vllms_names():
 
     _, stats, _, llm = generate(NGRAM, [repetitive(7, 6, 36)], [greedy(24, ignore_eos=True)])
     values = {s.name: s.value for f in text_string_to_metric_families(
-        ServerMetrics("m", llm.snapshot()).render().decode()) for s in f.samples}
+        ServerMetrics("m", llm.snapshot(), llm.config).render().decode()) for s in f.samples}
     for name, key in (("drafts", "num_drafts"), ("draft_tokens", "num_draft_tokens"),
                       ("accepted_tokens", "num_accepted_tokens")):
         assert values[f"minillm:spec_decode_num_{name}_total"] == stats[key] > 0
     per_pos = {s.labels["position"]: s.value for f in text_string_to_metric_families(
-        ServerMetrics("m", llm.snapshot()).render().decode()) for s in f.samples
+        ServerMetrics("m", llm.snapshot(), llm.config).render().decode()) for s in f.samples
         if s.name == "minillm:spec_decode_num_accepted_tokens_per_pos_total"}
     assert per_pos == {str(i): n for i, n in enumerate(stats["num_accepted_tokens_per_pos"])}
     assert len(per_pos) == NGRAM["num_speculative_tokens"]
