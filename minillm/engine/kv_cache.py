@@ -12,8 +12,10 @@ grows). Going from one chapter to the other is swapping the class.
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 
 from minillm.engine.attention_metadata import AttentionMetadata, StepBuilder
@@ -35,6 +37,14 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.zeros``; on the CPU taken from ``calloc`` (numpy's zeros), whose pages the OS maps
+    as zeros on first touch: a pool of gigabytes is ready at once and costs memory as it fills."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class KVCache(ABC):
     """Keys and values of every layer in ``num_blocks`` blocks of ``block_size`` token slots."""
 
@@ -43,8 +53,8 @@ class KVCache(ABC):
         check_positive_int("num_blocks", num_blocks)
         self.config = config
         self.block_size = block_size
-        self.kv = torch.zeros(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
-                              config.head_dim, dtype=dtype, device=device)
+        self.kv = zeros((config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
+                        dtype, device)
         self.layer_caches = [(layer[0], layer[1]) for layer in self.kv]  # (k, v) per layer
         self.step_builder = StepBuilder(self.kv.device)
 

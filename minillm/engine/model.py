@@ -250,7 +250,8 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(tp.vocab_rows(config.vocab_size)[1], config.hidden_size)
+        rows = tp.vocab_rows(config.vocab_size)[1]  # the table comes uninitialized: the loader fills it
+        self.embed_tokens = nn.Embedding(rows, config.hidden_size, _weight=torch.empty(rows, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
