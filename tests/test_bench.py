@@ -226,6 +226,8 @@ def test_step_breakdown_splits_the_profiled_step_and_sets_the_floor(monkeypatch,
     assert r["floor_share"] == pytest.approx(floor.seconds / r["step_s"])
     text = bench_step.format_step_breakdown(r)
     assert all(part in text for part in parts) and "quantization int8)" in text
+    with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
+        bench_step.decoding_request("no-such-model", ctx=20, steps=0)  # before anything is loaded
 
 
 def test_llamacpp_bench_needs_a_gguf_and_the_optional_package(monkeypatch, capsys):

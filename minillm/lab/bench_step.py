@@ -1,14 +1,15 @@
 """Where one request's decode step goes (chapter 解码: a small model on a laptop).
 
 ``python -m minillm bench step-breakdown``: one request of a real model (default the SmolLM2-135M
-GGUF) decodes at batch 1 through the whole engine. Its steps are first timed by the wall clock
-alone, then run again under torch's profiler with every op labelled by the part of the step it
+GGUF) decodes at batch 1 through the whole engine, eager. Its steps are first timed by the wall
+clock alone, then run again under torch's profiler with every op labelled by the part of the step it
 belongs to: the layers' matmuls, the output layer, attention (storing K/V and attending), the
 norms, RoPE, sampling; ops outside these (embedding lookup, residual adds, SwiGLU's product, the
 step's input tensors) are "other ops", and what the profiled step took beyond all ops is Python
 (modules, the scheduler, the runner) and the profiler's own cost. Beside it, the step's floor
 ``max(F/P, M/W)`` from the ledger (the bytes a step really reads, ``estimate.decode_read_bytes``,
-plus its KV) at this machine's probed ceilings, measured under the same threads.
+plus its KV) at this machine's probed ceilings, measured under the same threads. The chapter's lab
+uses the same pieces: ``decoding_request``, ``profiled_parts`` and ``step_floor``.
 """
 from __future__ import annotations
 
@@ -21,15 +22,17 @@ from torch import nn
 
 from minillm.engine import model as model_module
 from minillm.engine import model_runner
+from minillm.engine.device import synchronize
 from minillm.engine.engine_config import add_quantization_options
 from minillm.engine.llm import LLM
 from minillm.engine.loader import checkpoint_weights, torch_dtype
 from minillm.engine.model import RMSNorm
 from minillm.engine.quantization import Int4Linear, Int8Linear
 from minillm.engine.sampling import SamplingParams
+from minillm.engine.units import ceil_div
 from minillm.lab import estimate as ledger
 from minillm.lab.bench_cli import add_options, report
-from minillm.lab.hardware import describe_device, probe_device
+from minillm.lab.hardware import describe_device, measure_seconds, probe_device
 
 PARTS = ("matmuls", "output layer", "attention", "norms", "rope", "sampling")
 OTHER, PYTHON = "other ops", "Python and the rest"
@@ -38,6 +41,7 @@ FUNCTIONS = {model_module: {"apply_rope": "rope", "store_kv": "attention",
                             "paged_decode_attention": "attention"},
              model_runner: {"sample": "sampling"}}  # module-level functions the step calls, by part
 LABEL = "minillm/"  # the profiler ranges' prefix
+WARMUP = 3  # untimed decode steps before the caller's
 
 
 def _part(name: str, module: nn.Module) -> str | None:
@@ -109,46 +113,59 @@ def step_floor(model, kv_dtype: torch.dtype, ctx: int, peak_flops: float, bandwi
     return ledger.roofline_floor(flops, nbytes, peak_flops, bandwidth)
 
 
+def decoding_request(model, ctx: int, steps: int, seed: int = 0, **engine_args) -> LLM:
+    """An engine over ``model`` (a loaded ``Transformer``, or what ``LLM`` loads with
+    ``engine_args``) holding one request of ``ctx`` random prompt tokens, prefilled and past a few
+    untimed decode steps, with KV room and tokens left for ``steps`` more. Its steps are eager
+    (every op issued from Python, no CUDA graph), so that each op can be labelled."""
+    for name, value in (("ctx", ctx), ("steps", steps)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    new_tokens = 1 + WARMUP + steps  # the prefill's, the warm-up's and the caller's
+    llm = LLM(model, num_kv_blocks=ceil_div(ctx + new_tokens, 16), max_model_len=ctx + new_tokens,
+              enforce_eager=True, **engine_args)
+    prompt = torch.randint(llm.model.config.vocab_size, (ctx,), generator=torch.Generator().manual_seed(seed))
+    llm.add_request("decode", prompt.tolist(), SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    for _ in range(1 + WARMUP):  # the prefill, then untimed decode steps
+        llm.step()
+    return llm
+
+
+def profiled_parts(llm: LLM, steps: int) -> dict[str, float]:
+    """Run ``steps`` decode steps of ``llm`` under torch's profiler, every op labelled by the part
+    of the step it belongs to: seconds per step of each part (:func:`breakdown`); they add up to
+    the profiled step."""
+    device = llm.model.device
+    with labelled(llm.model), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            llm.step()
+        synchronize(device)
+        wall = time.perf_counter() - start
+    return breakdown(prof.events(), wall, steps)
+
+
 def bench_step_breakdown(model_name: str = "smollm2-135m", device=None, dtype=None, quantization=None,
                          group_size: int = 32, kv_cache_dtype: str = "auto", ctx: int = 128, steps: int = 32,
                          seed: int = 0) -> dict:
     """Time ``steps`` decode steps of one request at a context of about ``ctx`` tokens (wall
     clock, then under the profiler) and split the profiled step into its parts. A preset without
     weights runs with random ones at its shape."""
-    for name, value in (("ctx", ctx), ("steps", steps)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    warmup = 3
-    new_tokens = 1 + warmup + 2 * steps  # the prefill's, the warm-up's, the timed and the profiled
-    llm = LLM(model_name, device=device, dtype=torch_dtype(dtype), weights=checkpoint_weights(model_name),
-              quantization=quantization, group_size=group_size, kv_cache_dtype=kv_cache_dtype,
-              num_kv_blocks=-(-(ctx + new_tokens) // 16), max_model_len=ctx + new_tokens)
+    llm = decoding_request(model_name, ctx, 2 * steps, seed, device=device, dtype=torch_dtype(dtype),
+                           weights=checkpoint_weights(model_name), quantization=quantization,
+                           group_size=group_size, kv_cache_dtype=kv_cache_dtype)
     model = llm.model
-    vocab = model.config.vocab_size
-    prompt = torch.randint(vocab, (ctx,), generator=torch.Generator().manual_seed(seed)).tolist()
-    llm.add_request("decode", prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
-    for _ in range(1 + warmup):  # the prefill, then untimed decode steps
-        llm.step()
-    seconds = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        llm.step()
-        seconds.append(time.perf_counter() - start)
-    with labelled(model), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            llm.step()
-        profiled = time.perf_counter() - start
-    parts = breakdown(prof.events(), profiled, steps)
+    step = statistics.median(measure_seconds(llm.step, model.device, steps, warmup=0))
+    parts = profiled_parts(llm, steps)
     probe = probe_device(model.device)
     floor = step_floor(model, llm.kv_cache.kv.dtype, ctx + steps, probe.matmul_flops, probe.copy_bandwidth)
-    step = statistics.median(seconds)
     method, group_size = model.quantization or ("none", None)
     quant = f"{method}-g{group_size}" if method == "int4" else method
     return {"model": model.config.name, "dtype": str(model.dtype).removeprefix("torch."), "quantization": quant,
             "device": describe_device(model.device).name, "cpu_threads": torch.get_num_threads(),
             "ctx": ctx, "steps": steps, "step_s": step, "tokens_per_s": 1 / step,
-            "profiled_step_s": profiled / steps, "parts_s": parts,
+            "profiled_step_s": sum(parts.values()), "parts_s": parts,
             "floor": {"seconds": floor.seconds, "bound": floor.bound, "flops": floor.flops, "bytes": floor.bytes,
                       "peak_flops": floor.peak_flops, "bandwidth": floor.bandwidth},
             "floor_share": floor.seconds / step}
