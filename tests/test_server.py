@@ -446,7 +446,6 @@ BAD_INPUTS = [  # (endpoint, body or raw text, status, words the message must co
     ("completions", {"prompt": "text"}, 400, "no tokenizer"),
     ("completions", {"prompt": [1, 2], "stop": "x"}, 400, "stop strings need a tokenizer"),
     ("completions", {"prompt": [1, 2], "logprobs": 21}, 400, "logprobs must be None or an int in [0, 20]"),
-    ("completions", {"prompt": [1, 2], "logprobs": 1, "echo": True}, 400, "echo with logprobs"),
     ("completions", {"prompt": [1, 2], "logit_bias": {"256": 5}}, 400, "logit_bias: token ids must be in [0, 256)"),
     ("completions", {"prompt": [1, 2], "logit_bias": {"one": 5}}, 400, "logit_bias: keys must be token ids"),
     ("completions", {"prompt": [1, 2], "logit_bias": {"1": 101}}, 400, "logit_bias must map"),
