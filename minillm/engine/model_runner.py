@@ -5,12 +5,12 @@ cache for the step's input ids, positions and attention metadata (one host-to-de
 the flat batch through the model (a decode step replays a CUDA graph) and samples the next token of
 every request whose tokens are now all computed (its stop tokens masked while it is short of
 ``min_tokens``, its logit bias and penalties applied, and for a structured request what its
-grammar forbids): one device-to-host copy, and one more for
-the logprobs of the requests that ask for them. A request that asks for its prompt's logprobs has
-the logits of all its step's prompt positions computed too (a chunk's at a time), and scored. A request with proposed tokens (speculative decoding)
-feeds them after its last token (a draft of the model's first layers drafts them first, on the
-same cache); :func:`~minillm.engine.speculative.verify` turns the logits at its positions into the
-tokens it keeps.
+grammar forbids): one device-to-host copy, and one more for the logprobs of the requests that ask
+for them. A request that asks for its prompt's logprobs has the logits of all its prompt positions
+in the step computed too (a chunk's at a time) and turned into them. A request with proposed
+tokens (speculative decoding) feeds them after its last token (a draft of the model's first layers
+drafts them first, on the same cache); :func:`~minillm.engine.speculative.verify` turns the logits
+at its positions into the tokens it keeps.
 """
 from __future__ import annotations
 
@@ -99,17 +99,18 @@ class ModelRunner:
                 last_rows += range(len(input_ids) - len(proposed) - 1, len(input_ids))
                 sampled_requests.append(request)
         input_ids, positions, attn = self.kv.prepare_inputs(batch, input_ids)
-        rows = prompt_rows + last_rows  # the rows whose logits are needed
+        logit_rows = prompt_rows + last_rows
         if self.workers is not None:
-            self.workers.broadcast_step(input_ids, attn, rows, output.blocks_to_swap_out, output.blocks_to_swap_in)
+            self.workers.broadcast_step(input_ids, attn, logit_rows, output.blocks_to_swap_out,
+                                        output.blocks_to_swap_in)
         if attn.max_query_len == 1 and self.decode_graphs.holds(len(batch)):
             hidden = self.decode_graphs.run(input_ids, positions, attn)
         else:
             hidden = self.model(input_ids, positions, attn, self.kv.layer_caches)
-        if not rows:
+        if not logit_rows:
             return {}
         if prompt_rows or len(last_rows) < len(hidden):  # only the rows whose logits are needed
-            hidden = hidden[torch.tensor(rows, device=self.device)]
+            hidden = hidden[torch.tensor(logit_rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
         if scoring:
             self._prompt_logprobs(scoring, logits[:len(prompt_rows)])
