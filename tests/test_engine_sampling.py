@@ -1,5 +1,6 @@
 """The engine's sampling features (chapter 解码): penalties and logit bias change the logits as
-their formulas say, min_p cuts what it says, logprobs are the model's, stop strings end the text
+their formulas say, min_p cuts what it says, logprobs are the model's (the prompt's too: transformers'
+float32 values whole or in chunks, with cached or shared blocks about, through preemption), stop strings end the text
 exactly where they begin (offline ``LLM`` too), and ``n`` answers to one prompt share its KV blocks
 (counted) with every block back in the pool at the end. A tiny random model in float64 for the
 values, the real SmolLM2 (and its tokenizer) for the text."""
@@ -125,7 +126,8 @@ def test_bad_values_are_refused_before_anything_is_queued():
     engine = LLMEngine(tiny_model(), num_kv_blocks=16, block_size=4)
     for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
                          ("min_p", 1.5), ("logit_bias", {3: 101}), ("logit_bias", {-1: 1.0}),
-                         ("logprobs", 21), ("stop", [1])):
+                         ("logprobs", 21), ("prompt_logprobs", -1), ("prompt_logprobs", True),
+                         ("stop", [1])):
         with pytest.raises(ValueError, match=field):
             SamplingParams(**{field: value})
     for params, words in ((SamplingParams(logit_bias={128: 1.0}), "logit_bias: token ids must be in [0, 128)"),
@@ -133,8 +135,9 @@ def test_bad_values_are_refused_before_anything_is_queued():
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace(")", r"\)")):
             engine.add_request("r", PROMPT, params)
     assert not engine.has_unfinished() and engine.kv_cache.manager.num_free_blocks == 16
-    with pytest.raises(ValueError, match="stop strings and logprobs need the engine"):
-        minillm.generate(tiny_model(), [PROMPT], SamplingParams(logprobs=1))
+    for params in (SamplingParams(logprobs=1), SamplingParams(prompt_logprobs=0)):
+        with pytest.raises(ValueError, match="stop strings and logprobs need the engine"):
+            minillm.generate(tiny_model(), [PROMPT], params)
 
 
 # --- n answers to one prompt ------------------------------------------------------------------------
@@ -193,6 +196,99 @@ def test_prompt_of_must_name_an_unfinished_request_with_the_same_prompt():
     engine.abort("p")
     engine.step()
     assert not engine.has_unfinished() and engine.kv_cache.manager.num_free_blocks == 16
+
+
+# --- the prompt's logprobs ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """A tiny transformers Llama with every parameter random, saved, and its float32 logprobs of PROMPT."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("prompt-logprobs")
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=CONFIG.vocab_size, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.3)
+        reference = hf(torch.tensor([PROMPT])).logits[0].float().log_softmax(-1)
+    hf.save_pretrained(folder)
+    return folder, reference
+
+
+def assert_prompt_logprobs(got, reference, num_top: int) -> None:
+    """``got`` (an output's prompt_logprobs) holds, for each prompt token after the first, its
+    logprob and the ``num_top`` best ones in ``reference``'s row before it."""
+    assert len(got) == len(PROMPT) and got[0] is None
+    for k, entry in enumerate(got[1:], 1):
+        row = reference[k - 1]
+        assert entry.token_id == PROMPT[k]
+        assert entry.logprob == pytest.approx(row[PROMPT[k]].item(), abs=2e-5)
+        best = row.topk(num_top)
+        assert [t for t, _ in entry.top] == best.indices.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(best.values.tolist(), abs=2e-5)
+
+
+@pytest.mark.parametrize("budget", [None, 5, 8])
+def test_prompt_logprobs_are_transformers_float32_whole_or_in_chunks(hf_checkpoint, budget):
+    """Every prompt token's logprob and top 3 are log_softmax of transformers' float32 logits at
+    the position before it, with the prompt computed in one step or in chunks of 5 or 8; the
+    generated tokens are those of a request that asks for none."""
+    folder, reference = hf_checkpoint
+    llm = LLM(folder, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4,
+              **({} if budget is None else dict(max_num_batched_tokens=budget, enable_chunked_prefill=True)))
+    greedy = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
+    asking, plain = llm.generate([PROMPT, PROMPT[:9]], [SamplingParams(**greedy, prompt_logprobs=3),
+                                                        SamplingParams(**greedy)], use_tqdm=False)
+    assert_prompt_logprobs(asking.prompt_logprobs, reference, 3)
+    assert plain.prompt_logprobs is None and asking.logprobs is None
+    alone = llm.generate([PROMPT], SamplingParams(**greedy), use_tqdm=False)[0]
+    assert asking.token_ids == alone.token_ids
+    assert llm.kv_cache.manager.num_free_blocks == 64
+
+
+def test_prompt_logprobs_skip_cached_and_shared_blocks(hf_checkpoint):
+    """With PROMPT's blocks in the prefix cache, a request asking for its prompt's logprobs takes
+    no hit (it computes every position, and scores each), while one that asks for none takes
+    them; an answer made ``prompt_of`` another computes its own prompt when it asks, shares the
+    blocks when it does not; every answer is the same greedy one."""
+    folder, reference = hf_checkpoint
+    engine = LLMEngine(folder, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4)
+    greedy = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def run(requests):
+        for request_id, params, parent in requests:
+            engine.add_request(request_id, PROMPT, params, prompt_of=parent)
+        outs = {}
+        while engine.has_unfinished():
+            outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        return outs
+
+    run([("warm", SamplingParams(**greedy), None)])
+    outs = run([("ask", SamplingParams(**greedy, prompt_logprobs=1), None),
+                ("ask-too", SamplingParams(**greedy, prompt_logprobs=2), "ask"),
+                ("plain", SamplingParams(**greedy), "ask")])
+    assert {r: o.num_cached_tokens for r, o in outs.items()} == {"ask": 0, "ask-too": 0, "plain": 20}
+    assert_prompt_logprobs(outs["ask"].prompt_logprobs, reference, 1)
+    assert_prompt_logprobs(outs["ask-too"].prompt_logprobs, reference, 2)
+    assert run([("hit", SamplingParams(**greedy), None)])["hit"].num_cached_tokens == 20
+    assert len({tuple(o.token_ids) for o in outs.values()}) == 1
+    assert engine.kv_cache.manager.num_used_blocks == 0
+
+
+def test_prompt_logprobs_are_scored_once_through_preemption(hf_checkpoint):
+    """A pool too small for three answers that differ (seeded draws) preempts by recompute: a
+    preempted request computes its prompt again but scores it once, and its logprobs stay the model's."""
+    folder, reference = hf_checkpoint
+    llm = LLM(folder, device="cpu", dtype=torch.float32, num_kv_blocks=16, block_size=4)
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=20, ignore_eos=True, prompt_logprobs=2)
+              for seed in range(3)]
+    outs = llm.generate([PROMPT] * 3, params, use_tqdm=False)
+    assert llm.stats()["num_preemptions"] > 0
+    for out in outs:
+        assert_prompt_logprobs(out.prompt_logprobs, reference, 2)
 
 
 # --- stop strings, offline, on the real model -------------------------------------------------------

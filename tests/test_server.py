@@ -3,7 +3,7 @@ driven with the official ``openai`` client and httpx: streamed and gathered answ
 concurrency changes no token (float64), chat goes through the chat template, every bad input gets
 its status and OpenAI's error body with nothing queued (unknown fields refused by name, counted by
 reason, the parameter named as the client sent it), vLLM's min_tokens and continuous usage stats,
-the sampling fields (n, logprobs in both shapes, echo, penalties, logit_bias, min_p, stop)
+the sampling fields (n, logprobs in both shapes, echo, with logprobs too, penalties, logit_bias, min_p, stop)
 through the official client, vLLM's metric meanings (prompts counted once, every token gap), a client that hangs up frees its KV blocks
 within a second, a full queue answers 503, SIGTERM exits 0, and a soak of a few hundred requests
 with random hang-ups loses no request and leaks no block."""
@@ -303,6 +303,48 @@ def test_echo_puts_the_prompt_before_the_answer(chat_server):
     assert "".join(c.choices[0].text for c in chunks) == "Hello server" + plain
 
 
+def test_echo_with_logprobs_lists_the_prompts_tokens_first(chat_server):
+    """vLLM's echo with logprobs: the prompt's tokens (null for the first) then the generated ones,
+    each prompt token's logprob transformers' float32 log_softmax at the position before it, the
+    generated ones as without echo, text offsets from 0; streamed the same, n answers each."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    client = client_for(chat_server)
+    args = dict(model="tiny-chat", prompt="Hello server", max_tokens=5, temperature=0, logprobs=2,
+                extra_body={"ignore_eos": True})
+    tokenizer = AutoTokenizer.from_pretrained(chat_server.tokenizer_dir)
+    ids = tokenizer.encode("Hello server")
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(chat_server.tokenizer_dir, dtype=torch.float32)
+        reference = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    plain = client.completions.create(**args).choices[0]
+    whole = client.completions.create(echo=True, **args)
+    assert whole.usage.prompt_tokens == len(ids) and whole.choices[0].text == "Hello server" + plain.text
+    lp = whole.choices[0].logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids] + plain.logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx([reference[k - 1, ids[k]].item()
+                                                          for k in range(1, len(ids))], abs=1e-5)
+    for k in range(1, len(ids)):  # the top 2 and the token itself (tokens may read alike: "\ufffd")
+        best = reference[k - 1].topk(2)
+        expected = {**{tokenizer.decode([t]): v for t, v in zip(best.indices.tolist(), best.values.tolist())},
+                    lp.tokens[k]: lp.token_logprobs[k]}
+        assert lp.top_logprobs[k] == pytest.approx(expected, abs=1e-5)
+    assert lp.token_logprobs[len(ids):] == plain.logprobs.token_logprobs
+    assert lp.top_logprobs[len(ids):] == plain.logprobs.top_logprobs
+    assert lp.text_offset == [sum(map(len, lp.tokens[:k])) for k in range(len(lp.tokens))]
+
+    chunks = list(client.completions.create(echo=True, stream=True, **args))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert sum((getattr(c.choices[0].logprobs, name) for c in chunks), []) == getattr(lp, name)
+    both = client.completions.create(echo=True, n=2, **args).choices
+    for choice in both:  # batched together: float32 sums in another order
+        assert choice.logprobs.tokens == lp.tokens and choice.logprobs.token_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    wait_until_idle(chat_server)
+
+
 def test_penalties_bias_min_p_and_stop_answer_as_the_offline_engine_does(chat_server):
     """The server passes every sampling field to the engine: its answer is the offline ``LLM``'s
     for the same params, token for token; a +100 bias forces its token."""
@@ -446,7 +488,6 @@ BAD_INPUTS = [  # (endpoint, body or raw text, status, words the message must co
     ("completions", {"prompt": "text"}, 400, "no tokenizer"),
     ("completions", {"prompt": [1, 2], "stop": "x"}, 400, "stop strings need a tokenizer"),
     ("completions", {"prompt": [1, 2], "logprobs": 21}, 400, "logprobs must be None or an int in [0, 20]"),
-    ("completions", {"prompt": [1, 2], "logprobs": 1, "echo": True}, 400, "echo with logprobs"),
     ("completions", {"prompt": [1, 2], "logit_bias": {"256": 5}}, 400, "logit_bias: token ids must be in [0, 256)"),
     ("completions", {"prompt": [1, 2], "logit_bias": {"one": 5}}, 400, "logit_bias: keys must be token ids"),
     ("completions", {"prompt": [1, 2], "logit_bias": {"1": 101}}, 400, "logit_bias must map"),

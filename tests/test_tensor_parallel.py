@@ -1,5 +1,6 @@
 """Tensor parallelism: tp=2 computes what tp=1 computes, its ranks end with their engine, and a
 dead rank is an error in the caller within seconds (gloo processes on the CPU)."""
+import dataclasses
 import json
 import os
 import signal
@@ -88,14 +89,18 @@ def _gone(pids: list[int], within: float = 0.0) -> bool:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_tp2_greedy_tokens_equal_tp1(tmp_path, name):
     """Chunked prefill, mixed prefill/decode steps, preemption (swap for the held-out shape) and
-    prefix hits: the same float64 greedy tokens on one rank and on two."""
+    prefix hits: the same float64 greedy tokens on one rank and on two; and the same prompt
+    logprobs of a prompt longer than the budget (scored in chunks, steps that sample nothing)."""
     _checkpoint(tmp_path, CONFIGS[name])
     mode = "swap" if name == "held-out" else "recompute"
-    results = {}
+    results, prompt_logprobs = {}, {}
     for size in (1, 2):
         with LLM(tmp_path, **ENGINE, preemption_mode=mode, tensor_parallel_size=size) as llm, \
                 timed_collectives() as clock:
             results[size] = _run(llm)
+            calls = dict(clock.calls)
+            (out,) = llm.generate([FIRST[2]], dataclasses.replace(GREEDY, prompt_logprobs=2), use_tqdm=False)
+            prompt_logprobs[size] = [(e.token_id, e.logprob, e.top) for e in out.prompt_logprobs[1:]]
             pids = llm.workers.pids if llm.workers else []
             if size == 2:
                 assert len(pids) == 1 and llm.model.config.num_heads == CONFIGS[name]["num_attention_heads"] // 2
@@ -104,11 +109,15 @@ def test_tp2_greedy_tokens_equal_tp1(tmp_path, name):
             assert clock.calls == {}
     tokens, first, second = results[2]
     assert tokens == results[1][0]
+    assert len(prompt_logprobs[2]) == len(FIRST[2]) - 1
+    for (token, value, top), (want_token, want, want_top) in zip(prompt_logprobs[2], prompt_logprobs[1], strict=True):
+        assert token == want_token and value == pytest.approx(want, abs=1e-9)
+        assert [t for t, _ in top] == [t for t, _ in want_top]
     # rank 0's collectives: per step one broadcast of the inputs, 2 all-reduces per layer and the
     # embedding's, one all-gather of the logits when a request samples
     steps = first["steps"] + second["steps"]
     layers = CONFIGS[name]["num_hidden_layers"]
-    assert clock.calls == {"broadcast": len(steps), "all_reduce": (2 * layers + 1) * len(steps),
+    assert calls == {"broadcast": len(steps), "all_reduce": (2 * layers + 1) * len(steps),
                            "all_gather": sum(s["num_sampled"] > 0 for s in steps)}
     assert first["num_preemptions"] > 0 and second["prefix_hit_tokens"] >= 2 * len(SHARED)
     steps = first["steps"]

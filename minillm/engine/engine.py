@@ -231,7 +231,7 @@ class LLMEngine:
             if self.workers is None:
                 raise
             raise self.workers.failed(err) from err
-        finished = self.scheduler.update(scheduled, sampled, self.runner.logprobs)
+        finished = self.scheduler.update(scheduled, sampled, self.runner.logprobs, self.runner.prompt_logprobs)
         end = self.now()
         self.recorder.record_step(scheduled, sampled, start, end, free_before,
                                   self.kv_cache.manager.num_free_blocks)

@@ -93,7 +93,7 @@ def _check_prompts(config, prompts, params_list: list[SamplingParams]) -> None:
                              f"got {type(prompt).__name__}")
         if not prompt:
             raise ValueError(f"prompt {i} is empty")
-        if params.stop or params.logprobs is not None:
+        if params.stop or params.logprobs is not None or params.prompt_logprobs is not None:
             raise ValueError(f"prompt {i}: generate returns token ids only; stop strings and logprobs "
                              f"need the engine (minillm.LLM)")
         bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)

@@ -5,11 +5,12 @@ cache for the step's input ids, positions and attention metadata (one host-to-de
 the flat batch through the model (a decode step replays a CUDA graph) and samples the next token of
 every request whose tokens are now all computed (its stop tokens masked while it is short of
 ``min_tokens``, its logit bias and penalties applied, and for a structured request what its
-grammar forbids): one device-to-host copy, and one more for
-the logprobs of the requests that ask for them. A request with proposed tokens (speculative decoding)
-feeds them after its last token (a draft of the model's first layers drafts them first, on the
-same cache); :func:`~minillm.engine.speculative.verify` turns the logits at its positions into the
-tokens it keeps.
+grammar forbids): one device-to-host copy, and one more for the logprobs of the requests that ask
+for them. A request that asks for its prompt's logprobs has the logits of all its prompt positions
+in the step computed too (a chunk's at a time) and turned into them. A request with proposed
+tokens (speculative decoding) feeds them after its last token (a draft of the model's first layers
+drafts them first, on the same cache); :func:`~minillm.engine.speculative.verify` turns the logits
+at its positions into the tokens it keeps.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ class ModelRunner:
         self.draft = LayerDraft(model, kv_cache, spec) if spec is not None and spec.method == "draft_layers" else None
         self.draft_probs: dict[str, torch.Tensor] = {}  # this step's q rows of the drawn drafts
         self.logprobs: dict[str, list[TokenLogprob]] = {}  # this step's, for the requests that ask
+        self.prompt_logprobs: dict[str, list[TokenLogprob]] = {}  # this step's prompt tokens', likewise
 
     def add_generator(self, request_id: str, seed: int | None) -> None:
         generator = make_generator(seed, self.device)
@@ -75,15 +77,21 @@ class ModelRunner:
         """Run the scheduled tokens; return request_id -> sampled tokens for every request whose
         tokens are now all computed (a finished prompt or a decode): its next token, or with
         proposed tokens those of them the target accepts and one more. The logprobs of the requests
-        that ask for them are in :attr:`logprobs` until the next step (one per sampled token)."""
-        self.logprobs = {}
+        that ask for them are in :attr:`logprobs` until the next step (one per sampled token), those
+        of the prompt tokens this step scored in :attr:`prompt_logprobs`."""
+        self.logprobs, self.prompt_logprobs = {}, {}
         self.kv.swap(output.blocks_to_swap_out, output.blocks_to_swap_in)
         self.draft_probs = (self.draft.propose([r for r, _ in output.scheduled if r.num_spec_tokens], self.generators)
                             if self.draft is not None and output.num_draft_tokens else {})
         batch, input_ids, last_rows, sampled_requests = [], [], [], []
+        prompt_rows, scoring = [], []  # rows whose logits score a prompt token; (request, positions)
         for request, num_new in output.scheduled:
             start, proposed = request.num_computed_tokens, request.spec_token_ids
             batch.append((request.request_id, start, num_new))
+            positions = request.unscored_prompt(start, num_new)
+            if positions:
+                prompt_rows += range(len(input_ids) + positions.start - start, len(input_ids) + positions.stop - start)
+                scoring.append((request, positions))
             input_ids += request.token_ids(start, start + num_new - len(proposed))
             if proposed:
                 input_ids += proposed
@@ -91,18 +99,24 @@ class ModelRunner:
                 last_rows += range(len(input_ids) - len(proposed) - 1, len(input_ids))
                 sampled_requests.append(request)
         input_ids, positions, attn = self.kv.prepare_inputs(batch, input_ids)
+        logit_rows = prompt_rows + last_rows
         if self.workers is not None:
-            self.workers.broadcast_step(input_ids, attn, last_rows if sampled_requests else [],
-                                        output.blocks_to_swap_out, output.blocks_to_swap_in)
+            self.workers.broadcast_step(input_ids, attn, logit_rows, output.blocks_to_swap_out,
+                                        output.blocks_to_swap_in)
         if attn.max_query_len == 1 and self.decode_graphs.holds(len(batch)):
             hidden = self.decode_graphs.run(input_ids, positions, attn)
         else:
             hidden = self.model(input_ids, positions, attn, self.kv.layer_caches)
+        if not logit_rows:
+            return {}
+        if prompt_rows or len(last_rows) < len(hidden):  # only the rows whose logits are needed
+            hidden = hidden[torch.tensor(logit_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
+        if scoring:
+            self._prompt_logprobs(scoring, logits[:len(prompt_rows)])
         if not sampled_requests:
             return {}
-        if len(last_rows) < len(hidden):  # only the rows whose next token is due
-            hidden = hidden[torch.tensor(last_rows, device=self.device)]
-        raw = logits = self.model.compute_logits(hidden)
+        raw = logits = logits[len(prompt_rows):]
         rows = [(r, j) for r in sampled_requests for j in range(len(r.spec_token_ids) + 1)]
         params = [r.params for r, _ in rows]
         if any(len(r.output_token_ids) + j < r.params.min_tokens for r, j in rows):
@@ -142,6 +156,15 @@ class ModelRunner:
                                     [r.params.logprobs for r in asking for _ in sampled[r.request_id]]))
         for request in asking:
             self.logprobs[request.request_id] = [next(found) for _ in sampled[request.request_id]]
+
+    def _prompt_logprobs(self, scoring: list[tuple[Request, range]], logits: torch.Tensor) -> None:
+        """:attr:`prompt_logprobs`: the prompt token after each scored position, by its row of ``logits``."""
+        tokens = [t for request, positions in scoring
+                  for t in request.prompt_token_ids[positions.start + 1:positions.stop + 1]]
+        found = iter(token_logprobs(logits, tokens, [request.params.prompt_logprobs
+                                                     for request, positions in scoring for _ in positions]))
+        for request, positions in scoring:
+            self.prompt_logprobs[request.request_id] = [next(found) for _ in positions]
 
     def _verify(self, requests: list[Request], logits: torch.Tensor) -> dict[str, list[int]]:
         """A step with proposals: each request's rows verified, the others sampled as usual."""

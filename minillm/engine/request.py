@@ -4,8 +4,8 @@ A :class:`Request` holds its tokens, its progress through the KV cache, its own 
 hits, preemptions) and :class:`RequestMetrics`, the timestamps of its life on the engine's clock.
 Its :class:`~minillm.engine.detokenizer.Detokenizer` turns its tokens into text and finds its stop
 strings. A :class:`RequestOutput` is what the caller gets back after each step: the tokens and text
-so far, the ones just made (for streaming), their logprobs if asked for and, at the end, why it
-stopped.
+so far, the ones just made (for streaming), their logprobs and the prompt's if asked for and, at the
+end, why it stopped.
 """
 from __future__ import annotations
 
@@ -113,10 +113,13 @@ class Request:
     metrics: RequestMetrics = field(init=False)
     detokenizer: Detokenizer = field(init=False)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked for
+    prompt_logprobs: list[TokenLogprob | None] = field(init=False)  # if asked for: one per prompt
+    # token computed so far, None for the first (nothing before it to score it by)
 
     def __post_init__(self, arrival_time: float):
         self.metrics = RequestMetrics(arrival_time, num_prompt_tokens=len(self.prompt_token_ids))
         self.detokenizer = Detokenizer(self.tokenizer, self.params.stop, self.params.min_tokens)
+        self.prompt_logprobs = [None] if self.params.prompt_logprobs is not None else []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -129,6 +132,13 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def unscored_prompt(self, start: int, num_new: int) -> range:
+        """The positions among ``num_new`` computed from ``start`` whose logits give prompt logprobs
+        it asks for and has not got yet: position p's score prompt token p + 1."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(start + num_new, self.num_prompt_tokens - 1))
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end) of prompt + output, without copying the whole list."""
@@ -163,10 +173,12 @@ class RequestOutput:
     reads only the last output's ``text`` decodes once, not at every step: read (or
     :meth:`detokenize`) a request's outputs in step order, before the next step runs.
     ``new_logprobs``: one :class:`~minillm.engine.sampling.TokenLogprob` per new token when the
-    request asked for logprobs (all of them so far: ``logprobs``), else None."""
+    request asked for logprobs (all of them so far: ``logprobs``), else None. ``prompt_logprobs``:
+    when asked for, one per prompt token (None for the first, vLLM's shape), else None."""
 
     __slots__ = ("request_id", "prompt_token_ids", "new_token_ids", "finished", "finish_reason", "metrics",
-                 "num_cached_tokens", "new_logprobs", "_request", "_num_outputs", "_new_text", "_text")
+                 "num_cached_tokens", "new_logprobs", "prompt_logprobs", "_request", "_num_outputs",
+                 "_new_text", "_text")
 
     def __init__(self, request: Request, new_token_ids: list[int]):
         self.request_id = request.request_id
@@ -179,6 +191,7 @@ class RequestOutput:
         self._new_text = self._text = None
         self.new_logprobs = (request.logprobs[len(request.logprobs) - len(new_token_ids):]
                              if request.params.logprobs is not None else None)
+        self.prompt_logprobs = request.prompt_logprobs if request.params.prompt_logprobs is not None else None
         self._request, self._num_outputs = request, len(request.output_token_ids)
 
     @property

@@ -59,6 +59,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_p: float = 0.0  # drop tokens less likely than min_p times the best one
     logprobs: int | None = None  # the sampled token's logprob and this many top ones; None = none
+    prompt_logprobs: int | None = None  # each prompt token's logprob (after the first) and this many
+    # top ones, given the tokens before it; None = none. Its prompt is computed whole (no prefix cache)
     structured_outputs: StructuredOutputsParams | None = None  # JSON the output must be (a grammar)
 
     def __post_init__(self):
@@ -103,8 +105,10 @@ class SamplingParams:
                 _is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()):
             raise ValueError(f"logit_bias must map token ids (ints >= 0) to numbers in [-100, 100], "
                              f"got {self.logit_bias!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError(f"structured_outputs must be a StructuredOutputsParams, "
@@ -126,8 +130,8 @@ class SamplingParams:
 
 @dataclass
 class TokenLogprob:
-    """A generated token's log-probability under the model (its raw logits, vLLM's default), and
-    the ``top`` most likely tokens' ``(token_id, logprob)``, best first."""
+    """A token's log-probability under the model given the tokens before it (its raw logits, vLLM's
+    default), and the ``top`` most likely tokens' ``(token_id, logprob)`` there, best first."""
 
     token_id: int
     logprob: float

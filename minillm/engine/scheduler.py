@@ -12,6 +12,8 @@ A request made ``prompt_of`` another (one of ``n`` answers to a prompt) shares t
 prompt blocks instead of computing them: it is admitted once they are computed by the end of the
 step, and computes only the tail of its prompt (one request writes the blocks, every layer stores
 a step's KV before attending, so the same step may read them).
+A request that asks for its prompt's logprobs computes its whole prompt, taking neither cached nor
+shared blocks (vLLM V1's rule): only computed positions have logits.
 With speculative decoding on, a request due for its next token also computes the tokens
 :mod:`minillm.engine.speculative` proposes for it, if the budget and the pool have room for them;
 :meth:`Scheduler.update` keeps the accepted ones and gives back the rejected ones' KV slots.
@@ -181,12 +183,12 @@ class Scheduler:
             if stop is not None:
                 break
             request = self.waiting[0]
-            fresh = request.num_computed_tokens == 0
-            shared = self._shared_prompt(request, scheduled) if fresh else []
+            reuse = request.num_computed_tokens == 0 and request.params.prompt_logprobs is None
+            shared = self._shared_prompt(request, scheduled) if reuse else []
             if shared is None:  # its prompt's blocks are still being computed, within the budget
                 stop = "token_budget"
                 break
-            prefix = shared or (self.kv.cached_prefix(request.all_token_ids) if fresh else [])
+            prefix = shared or (self.kv.cached_prefix(request.all_token_ids) if reuse else [])
             num_computed = request.num_computed_tokens + len(prefix) * self.kv.block_size
             num_new = self._num_new_tokens(request.num_tokens - num_computed, budget)
             if num_new == 0 or not self.kv.allocate(request.request_id, num_computed + num_new, prefix):
@@ -195,7 +197,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.swapped_out:
                 swap_in += self.kv.swap_in(request.request_id)
-            if fresh and not shared:
+            if reuse and not shared:
                 queries += request.num_tokens
                 cached_total += num_computed
             if request.status is RequestStatus.WAITING:  # its first admission
@@ -281,15 +283,17 @@ class Scheduler:
 
     # -- after the forward pass ------------------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: dict[str, list[int]],
-               logprobs: dict[str, list] | None = None) -> list[Request]:
+               logprobs: dict[str, list] | None = None,
+               prompt_logprobs: dict[str, list] | None = None) -> list[Request]:
         """Advance the scheduled requests by their computed tokens and append the sampled ones.
 
         ``sampled`` maps request_id -> new tokens for the requests whose tokens are now all
         computed: one, or with proposals the accepted ones and the target's token after them (the
         rejected ones' KV slots go back). Tokens are appended until one stops the request; each
         list is cut to the tokens kept. ``logprobs``: request_id -> one per sampled token, for the
-        requests that asked (kept alongside the tokens). Returns the requests that finished in this
-        step (their blocks are freed).
+        requests that asked (kept alongside the tokens); ``prompt_logprobs``: request_id -> those of
+        the prompt tokens its computed positions scored, for the requests that asked. Returns the
+        requests that finished in this step (their blocks are freed).
         """
         finished = []
         block_size = self.kv.block_size
@@ -313,6 +317,8 @@ class Scheduler:
                     break
             if logprobs and request.request_id in logprobs:
                 request.logprobs += logprobs[request.request_id][:len(tokens)]
+            if prompt_logprobs and request.request_id in prompt_logprobs:
+                request.prompt_logprobs += prompt_logprobs[request.request_id]
             request.num_computed_tokens = min(before + num_new, request.num_tokens)
             if proposed and reason is None:
                 self.kv.truncate(request.request_id, request.num_computed_tokens)

@@ -11,7 +11,9 @@
 Stop strings, penalties, ``logit_bias``, ``min_p`` and logprobs are the engine's
 (``SamplingParams``); ``n`` answers to a prompt are ``n`` engine requests, the later ones made
 ``prompt_of`` the first, so its prompt's KV blocks are computed once and shared. Logprobs come in
-OpenAI's two shapes: the legacy one for completions, per-token objects for chat.
+OpenAI's two shapes: the legacy one for completions, per-token objects for chat. A completion with
+``echo`` and ``logprobs`` lists the prompt's tokens first (the engine's prompt logprobs, null for the
+first token), then the generated ones.
 
 A body over :data:`MAX_BODY_BYTES` is a 413 before it is parsed. A handler checks the request
 first: every client mistake is a 400 (or 404 for an unknown model) with OpenAI's error body,
@@ -68,7 +70,7 @@ class Delta:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
+    logprobs: list[TokenLogprob | None] | None  # with echo, the prompt's first (None: its first token)
     finish_reason: str | None
 
 
@@ -87,19 +89,24 @@ class Call:
 
     def __post_init__(self):
         self.num_tokens = [0] * len(self.echo)  # generated so far, per choice
-        self.offsets = [len(e) for e in self.echo]  # where each choice's next token's text starts
+        self.offsets = [0] * len(self.echo)  # where each choice's next listed token's text starts
         self._echoed: set[int] = set()
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """Each choice's new text, token ids and logprobs, a step at a time (its echo first); its
-        finish reason once finished."""
+        """Each choice's new text, token ids and logprobs, a step at a time (its echo first, and the
+        prompt's logprobs before the first token's when it asked for them); its finish reason once
+        finished."""
         index = {request_id: i for i, request_id in enumerate(self.stream.request_ids)}
         async for output in self.stream:
             i = index[output.request_id]
-            echo = "" if i in self._echoed else self.echo[i]
-            self._echoed.add(i)
+            echo, logprobs = "", output.new_logprobs
+            if i not in self._echoed:
+                self._echoed.add(i)
+                echo = self.echo[i]
+                if output.prompt_logprobs is not None:
+                    logprobs = output.prompt_logprobs + logprobs
             self.num_tokens[i] += len(output.new_token_ids)
-            yield Delta(i, echo + (output.new_text or ""), output.new_token_ids, output.new_logprobs,
+            yield Delta(i, echo + (output.new_text or ""), output.new_token_ids, logprobs,
                         output.finish_reason if output.finished else None)
 
     def usage(self) -> dict:
@@ -116,18 +123,21 @@ class Call:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
-    def completion_logprobs(self, index: int, logprobs: list[TokenLogprob] | None) -> dict | None:
-        """The legacy completions shape: tokens, their logprobs, the top ones (the sampled token's
-        among them) and each token's offset in the choice's text."""
+    def completion_logprobs(self, index: int, logprobs: list[TokenLogprob | None] | None) -> dict | None:
+        """The legacy completions shape: tokens, their logprobs, the top ones (the token's own
+        among them) and each token's offset in the choice's text; null logprobs for the prompt's
+        first token (None: nothing scores it)."""
         if logprobs is None:
             return None
-        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+        prompt = self.prompt_ids[index * len(self.prompt_ids) // len(self.echo)]  # choice i * n + j: prompt i
+        tokens = [self.token_text(prompt[0] if lp is None else lp.token_id) for lp in logprobs]
         offsets = []
         for token in tokens:
             offsets.append(self.offsets[index])
             self.offsets[index] += len(token)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-                "top_logprobs": [{**{self.token_text(t): v for t, v in lp.top}, token: lp.logprob}
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+                "top_logprobs": [None if lp is None else {**{self.token_text(t): v for t, v in lp.top},
+                                                          token: lp.logprob}
                                  for token, lp in zip(tokens, logprobs, strict=True)],
                 "text_offset": offsets}
 
@@ -286,9 +296,6 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
     async def completions(body: CompletionRequest, request: Request):
         arrival = engine.now()
         _check(body, model_name)
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs the prompt's logprobs, which minillm does not "
-                                "compute: drop one of them", param="echo", reason="unsupported")
         texts = body.prompts()
         _check_count(async_engine, len(texts) * body.n)
         for prompt in texts:

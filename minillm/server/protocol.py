@@ -237,6 +237,11 @@ class GenerationRequest(Body):
         """Top logprobs per token (the sampled token's logprob comes too); None: no logprobs."""
         return None
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt token (its own logprob comes too); None: no prompt logprobs."""
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's params for one prompt; its ValueError as a 400 naming the client's field."""
         try:
@@ -252,7 +257,7 @@ class GenerationRequest(Body):
                 stop_token_ids=tuple(self.stop_token_ids or ()), seed=self.seed, stop=tuple(self.stop_strings),
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty, logit_bias=bias, min_p=self.min_p,
-                logprobs=self.num_logprobs,
+                logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
                 structured_outputs=self.response_format and self.response_format.structured_outputs())
 
 
@@ -286,6 +291,10 @@ class CompletionRequest(GenerationRequest):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None  # echo lists the prompt's tokens too (vLLM's rule)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one per choice."""

@@ -135,7 +135,8 @@ class KVCacheManager:
         """``token_ids``: all tokens of the request whose KV is computed. Caches its new full blocks.
 
         A block that another request computed meanwhile with the same tokens is already cached:
-        the request switches to that copy and its own block goes back to the pool.
+        the request switches to that copy and lets go of its own (back to the pool unless a request
+        made ``prompt_of`` it shares it).
         """
         request = self.request_blocks(request_id)
         if len(token_ids) > request.num_tokens:
@@ -151,8 +152,7 @@ class KVCacheManager:
             if shared != own:
                 if self.pool.incref(shared) == 1:
                     self.index.lock(shared)
-                self.pool.decref(own)
-                self.pool.free(own)
+                self._release([own])
                 request.blocks[position] = shared
         request.num_committed_blocks = num_full
 
