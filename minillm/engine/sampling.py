@@ -29,6 +29,7 @@ MIN_TEMPERATURE = 1e-2  # vLLM's floor for a temperature > 0 (its _MAX_TEMP)
 SEED_LIMIT = 2**64  # a seed is in [0, SEED_LIMIT): what torch.Generator.manual_seed takes
 
 
+TOP_P_CANDIDATES = 1024  # the best tokens a top-p cut is looked for among before sorting them all
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's and vLLM's bound)
 
 
@@ -210,23 +211,32 @@ def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return logits.float() / temperature[:, None]
 
 
-def _kept_probs(scaled: torch.Tensor, params: list[SamplingParams]):
-    """Rows of ``scaled`` logits as probabilities of their best tokens in descending order (the
-    ``top_k`` best when every row has a ``top_k``: ``topk`` instead of sorting the vocabulary),
-    with the tokens top-k, top-p and min-p cut set to zero (not renormalized):
-    ``(probs, order, keep)``."""
-    vocab, device = scaled.shape[-1], scaled.device
-    width = min(max(p.top_k for p in params), vocab) if all(p.top_k for p in params) else vocab
+def _best_first(scaled: torch.Tensor, params: list[SamplingParams], top_p: torch.Tensor):
+    """``(probs, order)``: the probabilities (over the whole vocabulary) of the best tokens of each
+    row of ``scaled``, best first, and their ids: the fewest that hold every token a cut may keep
+    (a row's ``top_k`` best, or its best ``TOP_P_CANDIDATES`` once they hold its ``top_p`` mass),
+    found by ``topk``; all of them, sorted, when some row may keep more."""
+    vocab = scaled.shape[-1]
+    width = max(min(p.top_k, vocab) if p.top_k else TOP_P_CANDIDATES if p.top_p < 1 else vocab for p in params)
     if width < vocab:
         best, order = scaled.topk(width, dim=-1)
-        probs = (best - scaled.logsumexp(dim=-1, keepdim=True)).exp()  # over the whole vocabulary
-    else:
-        best, order = scaled.sort(dim=-1, descending=True)
-        probs = best.softmax(dim=-1)
+        probs = (best - scaled.logsumexp(dim=-1, keepdim=True)).exp()
+        has_top_k = torch.tensor([bool(p.top_k) for p in params], device=scaled.device)
+        if bool((has_top_k | (probs.sum(dim=-1) >= top_p)).all()):  # the next token is cut in every row
+            return probs, order
+    best, order = scaled.sort(dim=-1, descending=True)
+    return best.softmax(dim=-1), order
 
+
+def _kept_probs(scaled: torch.Tensor, params: list[SamplingParams]):
+    """Rows of ``scaled`` logits as probabilities of their best tokens in descending order
+    (:func:`_best_first`), with the tokens top-k, top-p and min-p cut set to zero (not
+    renormalized): ``(probs, order, keep)``."""
+    vocab, device = scaled.shape[-1], scaled.device
     top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
-    rank = torch.arange(width, device=device)
+    probs, order = _best_first(scaled, params, top_p)
+    rank = torch.arange(probs.shape[-1], device=device)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
     keep = (rank < top_k[:, None]) & (mass_before < top_p[:, None]) | (rank == 0)  # the best stays
     if any(p.min_p for p in params):
