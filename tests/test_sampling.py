@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from minillm.engine.sampling import SamplingParams, make_generator, mask_early_stops, sample
+from minillm.engine.sampling import (TOP_P_CANDIDATES, SamplingParams, make_generator, mask_early_stops,
+                                     probabilities, sample)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -60,6 +61,27 @@ def test_top_k_and_top_p_cut_the_tail():
     assert set(_draws(logits, SamplingParams(top_p=0.7), 400).tolist()) == {0, 1}
     assert set(_draws(logits, SamplingParams(top_p=0.5), 50).tolist()) == {0}
     assert set(_draws(logits, SamplingParams(top_p=0.81), 400).tolist()) == {0, 1, 2}
+
+
+def _sorted_cut(logits, top_p, top_k=0):
+    """The distribution top-k then top-p keep, computed by sorting the whole vocabulary."""
+    probs, order = logits.softmax(dim=-1).sort(descending=True)
+    keep = ((probs.cumsum(0) - probs) < top_p) & (torch.arange(len(probs)) < (top_k or len(probs)))
+    keep[0] = True
+    return torch.zeros_like(probs).scatter_(0, order, probs * keep / (probs * keep).sum())
+
+
+@pytest.mark.parametrize("spread", [3.0, 0.1], ids=["peaked", "flat"])
+def test_cuts_among_the_best_tokens_match_a_full_sort(spread):
+    """A vocabulary past TOP_P_CANDIDATES: top-p is looked for among the best tokens (peaked: they
+    hold the mass), or the whole vocabulary is sorted (flat: they do not); top-k takes its best."""
+    logits = torch.randn(4 * TOP_P_CANDIDATES, generator=torch.Generator().manual_seed(0)) * spread
+    for params, expected in ((SamplingParams(top_p=0.9), _sorted_cut(logits, 0.9)),
+                             (SamplingParams(top_k=7, top_p=0.95), _sorted_cut(logits, 0.95, top_k=7)),
+                             (SamplingParams(), logits.softmax(dim=-1))):
+        torch.testing.assert_close(probabilities(logits[None], [params])[0], expected)
+        drawn = _draws(logits[None], params, 20)
+        assert bool((expected[drawn] > 0).all())  # every draw is a kept token
 
 
 def test_the_decode_chapters_toy_distribution():

@@ -24,6 +24,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 [B, max_blocks]; physical block ids, padded with 0
     slot_mapping: torch.Tensor  # int64 [T]; flat cache slot of each new token's K/V; -1 = skip
     max_query_len: int  # 1 for a pure decode step
+    max_seq_len: int  # the largest of seq_lens, known on the host
 
 
 class StepBuilder:
@@ -75,7 +76,8 @@ class StepBuilder:
         blocks = tables[sequence, positions // block_size].long()
         attn = AttentionMetadata(cu_seqlens_q=cu_seqlens, seq_lens=starts + lens, block_tables=tables,
                                  slot_mapping=blocks * block_size + positions % block_size,
-                                 max_query_len=max(num_new))
+                                 max_query_len=max(num_new),
+                                 max_seq_len=max(map(sum, zip(num_computed, num_new))))
         return ids.long(), positions, attn
 
     def _host_buffer(self, size: int) -> torch.Tensor:

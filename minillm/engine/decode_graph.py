@@ -58,6 +58,7 @@ class DecodeGraph:
         self.attn.seq_lens[:batch].copy_(attn.seq_lens)
         self.attn.seq_lens[batch:].fill_(1)  # ... and read one slot
         self.attn.block_tables[:batch, :width].copy_(attn.block_tables)
+        self.attn.max_seq_len = attn.max_seq_len  # the padding rows' 1 is shorter
         if self.graph is None:
             return self._run_eagerly()[:batch]
         self.graph.replay()

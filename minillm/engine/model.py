@@ -128,7 +128,7 @@ class Attention(nn.Module):
         store_kv(k, v, k_cache, v_cache, attn.slot_mapping, backend=backend)
         if attn.max_query_len == 1:
             out = paged_decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
-                                         self.scale, backend=backend)
+                                         self.scale, attn.max_seq_len, backend=backend)
         else:
             out = paged_prefill_attention(q, k_cache, v_cache, attn.block_tables, attn.cu_seqlens_q,
                                           attn.seq_lens, self.scale, backend=backend)

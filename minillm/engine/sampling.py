@@ -29,6 +29,7 @@ MIN_TEMPERATURE = 1e-2  # vLLM's floor for a temperature > 0 (its _MAX_TEMP)
 SEED_LIMIT = 2**64  # a seed is in [0, SEED_LIMIT): what torch.Generator.manual_seed takes
 
 
+TOP_P_CANDIDATES = 1024  # the best tokens a top-p cut is looked for among before sorting them all
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's and vLLM's bound)
 
 
@@ -122,6 +123,11 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def cuts(self) -> bool:
+        """Whether top-k, top-p or min-p may drop tokens (else a draw needs no sorting)."""
+        return bool(self.top_k) or self.top_p < 1 or self.min_p > 0
+
+    @property
     def penalized(self) -> bool:
         """Whether :func:`apply_penalties` changes this request's logits."""
         return bool(self.logit_bias) or (self.presence_penalty, self.frequency_penalty,
@@ -209,16 +215,32 @@ def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return logits.float() / temperature[:, None]
 
 
-def _kept_probs(scaled: torch.Tensor, params: list[SamplingParams]):
-    """Rows of ``scaled`` logits as probabilities in descending order, with the tokens top-k,
-    top-p and min-p cut set to zero (not renormalized): ``(probs, order, keep)``."""
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
+def _best_first(scaled: torch.Tensor, params: list[SamplingParams], top_p: torch.Tensor):
+    """``(probs, order)``: the probabilities (over the whole vocabulary) of the best tokens of each
+    row of ``scaled``, best first, and their ids: the fewest that hold every token a cut may keep
+    (a row's ``top_k`` best, or its best ``TOP_P_CANDIDATES`` once they hold its ``top_p`` mass),
+    found by ``topk``; all of them, sorted, when some row may keep more."""
+    vocab = scaled.shape[-1]
+    width = max(min(p.top_k, vocab) if p.top_k else TOP_P_CANDIDATES if p.top_p < 1 else vocab for p in params)
+    if width < vocab:
+        best, order = scaled.topk(width, dim=-1)
+        probs = (best - scaled.logsumexp(dim=-1, keepdim=True)).exp()
+        has_top_k = torch.tensor([bool(p.top_k) for p in params], device=scaled.device)
+        if bool((has_top_k | (probs.sum(dim=-1) >= top_p)).all()):  # the next token is cut in every row
+            return probs, order
+    best, order = scaled.sort(dim=-1, descending=True)
+    return best.softmax(dim=-1), order
 
+
+def _kept_probs(scaled: torch.Tensor, params: list[SamplingParams]):
+    """Rows of ``scaled`` logits as probabilities of their best tokens in descending order
+    (:func:`_best_first`), with the tokens top-k, top-p and min-p cut set to zero (not
+    renormalized): ``(probs, order, keep)``."""
     vocab, device = scaled.shape[-1], scaled.device
     top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
-    rank = torch.arange(vocab, device=device)
+    probs, order = _best_first(scaled, params, top_p)
+    rank = torch.arange(probs.shape[-1], device=device)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the better tokens
     keep = (rank < top_k[:, None]) & (mass_before < top_p[:, None]) | (rank == 0)  # the best stays
     if any(p.min_p for p in params):
@@ -230,8 +252,9 @@ def _kept_probs(scaled: torch.Tensor, params: list[SamplingParams]):
 def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution each row is drawn from (temperature > 0), ``[N, V]`` in token order: what
     :func:`sample` draws from, for rejection sampling to compare with."""
-    probs, order, _ = _kept_probs(_scaled(logits, params), params)
-    return torch.zeros_like(probs).scatter_(1, order, probs / probs.sum(dim=-1, keepdim=True))
+    scaled = _scaled(logits, params)
+    probs, order, _ = _kept_probs(scaled, params)
+    return torch.zeros_like(scaled).scatter_(1, order, probs / probs.sum(dim=-1, keepdim=True))
 
 
 def sample(logits: torch.Tensor, params_list: list[SamplingParams],
@@ -243,13 +266,17 @@ def sample(logits: torch.Tensor, params_list: list[SamplingParams],
         return tokens
     rows = torch.tensor(drawn_rows, device=logits.device)
     params = [params_list[i] for i in drawn_rows]
-    probs, order, keep = _kept_probs(_scaled(logits[rows], params), params)
+    scaled = _scaled(logits[rows], params)
+    if any(p.cuts for p in params):  # the best tokens first; the kept ones are a prefix
+        probs, order, keep = _kept_probs(scaled, params)
+        last = keep.sum(dim=-1, keepdim=True) - 1
+    else:  # nothing is cut: draw in token order, with no sort
+        probs, order, last = scaled.softmax(dim=-1), None, scaled.shape[-1] - 1
 
     # Inverse-CDF draw: u ~ U[0, 1) from the request's own generator, then the first token whose
-    # cumulative (unnormalized) mass exceeds u * total. The kept tokens are a prefix of the order.
+    # cumulative (unnormalized) mass exceeds u * total.
     u = torch.cat([torch.rand(1, device=logits.device, generator=generators[i]) for i in drawn_rows])
     cdf = probs.cumsum(dim=-1)
-    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
-    picks = torch.minimum(picks, keep.sum(dim=-1, keepdim=True) - 1)
-    tokens[rows] = order.gather(1, picks)[:, 0]
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=last)
+    tokens[rows] = (picks if order is None else order.gather(1, picks))[:, 0]
     return tokens

@@ -30,9 +30,13 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, backend: str = "torch") -> No
     _impl(backend).store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len: int | None = None,
                            backend: str = "torch") -> torch.Tensor:
-    """One query token per sequence ``[B, n_heads, d]`` attends to its whole paged context."""
+    """One query token per sequence ``[B, n_heads, d]`` attends to its whole paged context.
+    ``max_seq_len``: the largest of ``seq_lens`` when the caller knows it on the host, so that the
+    reference need not read it back (the Triton kernel needs no such bound)."""
+    if backend == "torch":
+        return _impl(backend).paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
     return _impl(backend).paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 

@@ -17,21 +17,21 @@ import torch.nn.functional as F
 def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     """Write the new tokens' K and V ``[T, n_kv, d]`` into flat cache slots (cast to the cache's
     dtype; an fp8 cache saturates at ±448); slot -1 is skipped."""
-    kept = (slot_mapping >= 0).nonzero().squeeze(1)
-    slots = slot_mapping.index_select(0, kept)
+    if len(slot_mapping) and int(slot_mapping.min()) < 0:  # rows to skip (a decode graph's padding)
+        kept = (slot_mapping >= 0).nonzero().squeeze(1)
+        slot_mapping, k, v = (t.index_select(0, kept) for t in (slot_mapping, k, v))
     for new, cache in ((k, k_cache), (v, v_cache)):
-        values = new.index_select(0, kept).to(cache.dtype)
+        values = new.to(cache.dtype)
         if cache.element_size() == 1:  # fp8: copy the bytes (index_copy_ has no fp8 kernel)
             cache, values = cache.view(torch.uint8), values.view(torch.uint8)
-        cache.flatten(0, 1).index_copy_(0, slots, values)
+        cache.flatten(0, 1).index_copy_(0, slot_mapping, values)
 
 
 def _gather_context(cache, block_tables, length: int):
     """Positions 0..length-1 of every sequence, copied out of its blocks: ``[B, length, n_kv, d]``."""
-    block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
-    # the first num_blocks blocks of each sequence (one block is cut to `length` before the copy)
-    blocks = cache[:, :min(block_size, length)].index_select(0, block_tables[:, :num_blocks].flatten())
+    num_blocks = -(-length // cache.shape[1])
+    # the first num_blocks blocks of each sequence, each block one row of the cache seen as 2-D
+    blocks = cache.flatten(1).index_select(0, block_tables[:, :num_blocks].flatten())
     return blocks.view(block_tables.shape[0], -1, *cache.shape[2:])[:, :length]
 
 
@@ -43,14 +43,15 @@ def _attend(q, k, v, scale, mask=None, is_causal=False):
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
-    """One query token per sequence ``q [B, n_h, d]`` attends to its whole context -> ``[B, n_h, d]``.
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=None):
+    """One query token per sequence ``q [B, n_h, d]`` attends to its whole context -> ``[B, n_h, d]``;
+    ``max_seq_len``: ``seq_lens``' largest, when the caller knows it (else it is read here).
 
     The contexts are gathered into one batch padded to the longest; the padding is masked out.
     What it reads there must be finite (0 * NaN is NaN), as everywhere in the engine's caches, which
     start zeroed: zeroing the padding instead would cost another pass over all of K and V.
     """
-    length = int(seq_lens.max())
+    length = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     k = _gather_context(k_cache, block_tables, length)
     v = _gather_context(v_cache, block_tables, length)
     mask = None
