@@ -137,11 +137,15 @@ def test_mha_variant_holds_a_quarter_of_the_tokens(llama8b):
 @pytest.mark.parametrize("rows", [1, 8])
 def test_sampler_peak_is_what_the_meter_sees(rows):
     vocab = 32000
-    params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * rows
-    with PeakTensorBytes() as meter:
-        sample(torch.randn(rows, vocab), params, [None] * rows)
+    peaks = {}
+    for name, params in {"sorts all": SamplingParams(temperature=1.0, top_p=0.99, min_p=0.01),
+                         "top-k first": SamplingParams(temperature=1.0, top_p=0.9, top_k=50)}.items():
+        with PeakTensorBytes() as meter:
+            sample(torch.randn(rows, vocab), [params] * rows, [None] * rows)
+        peaks[name] = meter.peak_bytes
     # the per-row scalars (temperatures, draws, picks) are all the formula leaves out
-    assert meter.peak_bytes == pytest.approx(sampler_peak_bytes(rows, vocab), rel=1e-3)
+    assert peaks["sorts all"] == pytest.approx(sampler_peak_bytes(rows, vocab), rel=1e-3)
+    assert peaks["top-k first"] < sampler_peak_bytes(rows, vocab) / 2  # no sort of the whole vocabulary
 
 
 SHAPES = {  # the tiny preset, and two variants whose attention moment is their largest

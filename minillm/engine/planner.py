@@ -47,10 +47,10 @@ from minillm.engine.units import GiB, ceil_div, fmt_bytes, parse_size
 # format that counted the CUDA context there, as the profiled plan's ``other_bytes`` does.
 DRY_RUN_OUTSIDE_TORCH_BYTES = round(0.35 * GiB)
 
-# The sampler's bytes per logit at its peak (``sampling.sample`` with temperature, top-k and top-p):
-# the float32 logits, their scaled and sorted copies, the int64 sort order, the probabilities,
-# the mass before each token, the keep mask and the kept probabilities.
-SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 4 + 8 + 4 + 4 + 1 + 4
+# The sampler's bytes per logit at its peak (``sampling.sample`` on its dearest path, a cut that
+# sorts the whole vocabulary): the float32 logits and their scaled copy, the int64 sort order, the
+# probabilities best first, the mass before each token, the keep mask and the kept probabilities.
+SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 8 + 4 + 4 + 1 + 4
 
 # An MoE layer's bytes per (token, expert) pair of its routing: the pair's int64 expert, the int64
 # sort order and token row, the sorted float32 weight.
