@@ -8,7 +8,8 @@ the request) or, where a failure must be provoked inside the engine, against the
 - temperature 1e-40, top_p 1e-50 and top_k 2**63 are served (tiny temperatures are raised to vLLM's
   floor, top_k past the vocabulary keeps it all, the best token survives any top_p);
 - a body over 8 MiB is a 413, text that cannot fit max_model_len is refused before it is tokenized,
-  and /health answers while the longest text accepted is tokenized (the real SmolLM2 tokenizer);
+  and /health answers while the longest text accepted is tokenized (the real SmolLM2 tokenizer)
+  and while a body of tiny items is parsed;
 - null counts as not sent, harmless fields are taken, what can never succeed is a 400 (a lone
   surrogate, tool_choice "required", more prompts than the queue holds), /tokenize, /detokenize,
   /version as vLLM shapes them, the API key from MINILLM_API_KEY;
@@ -275,6 +276,37 @@ def test_health_answers_while_the_longest_text_accepted_is_tokenized():
     assert answer.status_code == 400 and "However, your prompt has" in answer.text
     assert len(latencies) >= 10, latencies  # /health answered all along the tokenizing
     assert max(latencies) < 0.5, latencies
+
+
+def test_health_answers_while_a_body_of_tiny_items_is_parsed(chat_server):
+    """Near 8 MiB of tiny messages (the shape that takes longest to check: each message is a
+    model of its own) is parsed and checked off the event loop: /health answers all along (the
+    issue asks for 100 ms; one C call of the JSON parser holds the interpreter, and this busy
+    test machine gets a generous bound), then the last message's wrong role is a 400."""
+    message = json.dumps({"role": "user"}) + ","
+    count = (8 * 2**20 - 200) // len(message)
+    body = ('{"messages":[' + message * count + '{"role":5}]}').encode()
+    assert 8 * 2**20 - 300 < len(body) <= 8 * 2**20
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=chat_server.url, timeout=300) as client:
+            big = asyncio.ensure_future(client.post(
+                "/v1/chat/completions", content=body, headers={"content-type": "application/json"}))
+            latencies = []
+            while not big.done():
+                start = time.perf_counter()
+                assert (await client.get("/health")).status_code == 200
+                latencies.append(time.perf_counter() - start)
+                await asyncio.sleep(0.02)
+            return await big, latencies
+
+    answer, latencies = asyncio.run(scenario())
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"] == {
+        "message": f"messages.{count}.role: Input should be a valid string",
+        "type": "BadRequestError", "param": f"messages.{count}.role", "code": 400}
+    assert len(latencies) >= 10, latencies  # /health answered all along the parsing
+    assert max(latencies) < 2, latencies
 
 
 def server_limit(server) -> int:
