@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import email.message
+import gc
 import json
 import logging
 import secrets
@@ -631,6 +632,8 @@ def _serve_engine(engine: LLMEngine, model, host: str, port: int, max_queue: int
     name = served_model_name or str(model)
     async_engine = AsyncEngine(engine, name, max_queue)
     app = build_app(async_engine, name, api_key)
+    gc.collect()  # what is loaded lives as long as the server: kept out of every later collection,
+    gc.freeze()   # which holds the GIL while it walks (vLLM does the same)
     cfg = engine.config
     logger.info("minillm: serving %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d, "
                 "max_num_seqs %d, max_queue %s", name, engine.model.device,
