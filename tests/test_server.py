@@ -62,17 +62,6 @@ def save_chat_model(folder: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def chat_server(tmp_path_factory):
-    """The tokenizer model in float32, behind an API key."""
-    folder = tmp_path_factory.mktemp("chat-model")
-    save_chat_model(folder)
-    with serve_in_background(folder, served_model_name="tiny-chat", api_key=API_KEY,
-                             num_kv_blocks=64, block_size=8, max_model_len=256) as server:
-        server.tokenizer_dir = folder
-        yield server
-
-
-@pytest.fixture(scope="module")
 def exact_server(tmp_path_factory):
     """A preset-style config (no tokenizer) with random weights in float64, for exact comparisons."""
     folder = tmp_path_factory.mktemp("exact-model")

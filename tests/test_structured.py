@@ -15,7 +15,6 @@ import pydantic
 import pytest
 
 from minillm import LLM, SamplingParams, StructuredOutputsParams
-from minillm.server.launcher import serve_in_background
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -154,10 +153,8 @@ class Person(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def client():
-    with serve_in_background("smollm2-135m", served_model_name="smol", num_kv_blocks=128,
-                             env={"OMP_NUM_THREADS": "1"}) as server:
-        yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+def client(smollm_server):
+    return openai.OpenAI(base_url=smollm_server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_the_openai_client_gets_json_for_a_schema_and_for_json_object(client):

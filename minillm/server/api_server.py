@@ -17,10 +17,11 @@ first token), then the generated ones.
 
 A body over :data:`MAX_BODY_BYTES` is a 413 before it is parsed. A handler checks the request
 first: every client mistake is a 400 (or 404 for an unknown model) with OpenAI's error body,
-before anything is queued. Text longer than ``max_model_len`` tokens could hold (no token of the
-vocabulary covers more characters than its longest) is refused before it is tokenized, and
-tokenizing runs in a thread of its own, so ``/health`` and the streams keep answering while a
-long prompt is tokenized. Every error answer is counted by reason in
+before anything is queued. The body is parsed and its types checked in a thread, not on the event
+loop where FastAPI would do it (8 MiB of tiny JSON items take seconds). Text longer than
+``max_model_len`` tokens could hold (no token of the vocabulary covers more characters than its
+longest) is refused before it is tokenized, and tokenizing runs in a thread of its own, so
+``/health`` and the streams keep answering while a long prompt is tokenized. Every error answer is counted by reason in
 ``minillm:request_rejected_total`` and logged with its reason. Then it adds one engine request per prompt
 and reads their outputs step by step, streamed as server-sent events ending in ``data: [DONE]``
 or gathered into one response. When the client hangs up, its requests are aborted before the next
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import email.message
+import gc
 import json
 import logging
 import secrets
@@ -44,8 +47,8 @@ from dataclasses import dataclass
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 import minillm
@@ -53,7 +56,7 @@ from minillm.engine.engine import LLMEngine
 from minillm.engine.sampling import TokenLogprob
 from minillm.server.async_engine import AsyncEngine, NotAccepting, OutputStream, QueueFull
 from minillm.server.metrics import CONTENT_TYPE, ServerMetrics
-from minillm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+from minillm.server.protocol import (APIError, Body, ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, GenerationRequest, TokenizeRequest,
                                      client_fields, validation_error)
 
@@ -266,7 +269,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
         return {"version": minillm.__version__}
 
     @app.post("/tokenize", dependencies=auth)
-    async def tokenize(body: TokenizeRequest):
+    async def tokenize(body: TokenizeRequest = _parsed(TokenizeRequest)):
         body.check()
         _check_model(body.model, model_name)
         if body.messages is not None:
@@ -275,16 +278,17 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
         else:
             _check_chars(len(body.prompt), longest, engine, "prompt")
             ids = await async_engine.tokenize(_text_ids, engine, body.prompt, body.add_special_tokens)
-        strs = engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": engine.config.max_model_len, "tokens": ids,
-                "token_strs": strs}
+        to_strs = engine.tokenizer.convert_ids_to_tokens if body.return_token_strs else lambda ids: None
+        return await async_engine.tokenize(lambda: JSONResponse({  # millions of ids: off the loop too
+            "count": len(ids), "max_model_len": engine.config.max_model_len, "tokens": ids,
+            "token_strs": to_strs(ids)}))
 
     @app.post("/detokenize", dependencies=auth)
-    async def detokenize(body: DetokenizeRequest):
+    async def detokenize(body: DetokenizeRequest = _parsed(DetokenizeRequest)):
         _check_model(body.model, model_name)
-        _tokenizer(engine, "tokens")
-        ids = _prompt_ids(engine, body.tokens, "tokens", allow_empty=True)
-        return {"prompt": await async_engine.tokenize(engine.tokenizer.decode, ids)}
+        tokenizer = _tokenizer(engine, "tokens")
+        return await async_engine.tokenize(lambda: JSONResponse({"prompt": tokenizer.decode(
+            _prompt_ids(engine, body.tokens, "tokens", allow_empty=True))}))
 
     @v1.get("/models")
     async def models():
@@ -293,7 +297,7 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
             "root": model_name, "max_model_len": engine.config.max_model_len}]}
 
     @v1.post("/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request, body: CompletionRequest = _parsed(CompletionRequest)):
         arrival = engine.now()
         _check(body, model_name)
         texts = body.prompts()
@@ -314,7 +318,8 @@ def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = 
         return call.chunk("text_completion", choices, usage=call.usage())
 
     @v1.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request,
+                               body: ChatCompletionRequest = _parsed(ChatCompletionRequest)):
         arrival = engine.now()
         _check(body, model_name)
         _check_chars(sum(m.num_chars for m in body.messages), longest, engine, "messages")
@@ -348,10 +353,6 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics):
     async def api_error(request, err: APIError):
         return reply(request.method, request.url.path, err)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request, err: RequestValidationError):
-        return reply(request.method, request.url.path, validation_error(list(err.errors())))
-
     @app.exception_handler(HTTPException)
     async def http_error(request, err: HTTPException):  # unknown path, wrong method
         return reply(request.method, request.url.path,
@@ -378,6 +379,35 @@ def _bearer_check(api_key: str | None):
 
 
 # --- checking a request ---------------------------------------------------------------------------
+
+def _parsed(model: type[Body]):
+    """The request body as ``model`` (a dependency): read, then parsed and type-checked in a
+    thread, so that the event loop serves /health and the streams meanwhile; a 400 naming what
+    is wrong."""
+    async def parse(request: Request) -> Body:
+        raw = await request.body()
+        return await asyncio.to_thread(_parse_body, model, raw, request.headers.get("content-type"))
+    return Depends(parse)
+
+
+def _parse_body(model: type[Body], raw: bytes, content_type: str | None) -> Body:
+    """``raw`` as ``model``, read as FastAPI reads a body: as JSON only when sent as JSON
+    (``application/json`` or ``+json``), otherwise as bytes, which no model takes."""
+    if not raw:
+        raise APIError(400, "body: Field required", param="body")
+    kind = email.message.Message()
+    kind["content-type"] = content_type or "application/octet-stream"
+    sent_as_json = kind.get_content_maintype() == "application" and (
+        kind.get_content_subtype() == "json" or kind.get_content_subtype().endswith("+json"))
+    try:
+        data = json.loads(raw) if sent_as_json else raw
+    except ValueError:  # not JSON, or not UTF-8
+        raise APIError(400, "the request body is not valid JSON") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise validation_error(err) from None
+
 
 def _check(body: GenerationRequest, model_name: str) -> None:
     body.check_supported()
@@ -609,6 +639,8 @@ def _serve_engine(engine: LLMEngine, model, host: str, port: int, max_queue: int
     name = served_model_name or str(model)
     async_engine = AsyncEngine(engine, name, max_queue)
     app = build_app(async_engine, name, api_key)
+    gc.collect()  # what is loaded lives as long as the server: kept out of every later collection,
+    gc.freeze()   # which holds the GIL while it walks (vLLM does the same)
     cfg = engine.config
     logger.info("minillm: serving %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d, "
                 "max_num_seqs %d, max_queue %s", name, engine.model.device,

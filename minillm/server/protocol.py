@@ -61,14 +61,11 @@ class APIError(Exception):
                           "param": self.param, "code": self.status}}
 
 
-def validation_error(err: ValidationError | list[dict]) -> APIError:
-    """A 400 naming each bad field, from pydantic's (or FastAPI's) list of errors."""
-    errors = err.errors() if isinstance(err, ValidationError) else err
-    if any(e["type"] == "json_invalid" for e in errors):
-        return APIError(400, "the request body is not valid JSON")
+def validation_error(err: ValidationError) -> APIError:
+    """A 400 naming each bad field, from pydantic's errors."""
     by_field: dict[str, str] = {}
-    for e in errors:
-        loc = [str(part) for part in e["loc"] if part != "body"]
+    for e in err.errors():
+        loc = [str(part) for part in e["loc"]]
         field = loc[0] if loc else "body"
         if e["type"] == "lone_surrogate":
             by_field[e["ctx"]["field"]] = e["msg"]
@@ -152,6 +149,13 @@ class ResponseFormat(Body):
         return StructuredOutputsParams(json_object=True) if self.type == "json_object" else None
 
 
+# every list is checked until its first wrong item: a wrong guess at a prompt's shape costs nothing,
+# and a body of a million wrong items is one error, not a million
+TokenIds = TypeAliasType("TokenIds", Annotated[list[int], FailFast()])
+Texts = TypeAliasType("Texts", Annotated[list[str], FailFast()])
+Batch = TypeAliasType("Batch", Annotated[list[TokenIds], FailFast()])
+
+
 class GenerationRequest(Body):
     """What completions and chat completions share: sampling, stopping, streaming."""
 
@@ -161,8 +165,8 @@ class GenerationRequest(Body):
     top_p: float = 1.0
     top_k: int | None = None  # vLLM's extension; None, 0 or -1: no limit
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM's extension
+    stop: str | Texts | None = None
+    stop_token_ids: TokenIds | None = None  # vLLM's extension
     ignore_eos: bool = False  # vLLM's extension
     min_tokens: int = 0  # vLLM's extension: no EOS, stop token or stop string before this many
     n: int = 1  # answers per prompt (their prompt's KV blocks shared)
@@ -274,12 +278,6 @@ def client_fields(client_names: dict[str, str] | None = None):
         raise APIError(400, message, param=message.split(" ", 1)[0].rstrip(":")) from None
 
 
-# a prompt's shapes; a list is checked until its first wrong item, so a wrong guess costs nothing
-TokenIds = TypeAliasType("TokenIds", Annotated[list[int], FailFast()])
-Texts = TypeAliasType("Texts", Annotated[list[str], FailFast()])
-Batch = TypeAliasType("Batch", Annotated[list[TokenIds], FailFast()])
-
-
 class CompletionRequest(GenerationRequest):
     """``POST /v1/completions``: one prompt or a list, as text or token ids."""
 
@@ -312,9 +310,12 @@ class TextPart(Body):
     text: str = ""
 
 
+TextParts = TypeAliasType("TextParts", Annotated[list[TextPart], FailFast()])
+
+
 class ChatMessage(Body):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | TextParts | None = None
 
     @property
     def num_chars(self) -> int:
@@ -334,10 +335,13 @@ class ChatMessage(Body):
         return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
 
 
+Messages = TypeAliasType("Messages", Annotated[list[ChatMessage], FailFast()])
+
+
 class ChatCompletionRequest(GenerationRequest):
     """``POST /v1/chat/completions``: messages rendered by the tokenizer's chat template."""
 
-    messages: list[ChatMessage]
+    messages: Messages
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     add_generation_prompt: bool = True  # vLLM's extension
     logprobs: bool = False
@@ -367,7 +371,7 @@ class TokenizeRequest(Body):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Messages | None = None
     add_generation_prompt: bool = True  # with messages
     add_special_tokens: bool = True  # with a prompt: what a completion's prompt gets (BOS, ...)
     return_token_strs: bool = False
@@ -382,4 +386,4 @@ class DetokenizeRequest(Body):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
