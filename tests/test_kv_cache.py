@@ -92,7 +92,7 @@ def test_the_engines_pool_is_built_from_its_settings_and_ranks_above_0_keep_no_b
     settings = EngineConfig(block_size=4, num_kv_blocks=6, prefix_index="radix",
                             preemption_mode="swap").resolved(cfg.max_position_embeddings, 4 * 1024)
     cache = PagedKVCache.from_config(cfg, settings, torch.float32, "cpu")
-    assert cache.kv.shape[2:4] == (6, 4) and cache.table_width == 6
+    assert cache.kv.shape[2:4] == (6, 4) and cache.manager.table_width == 6
     assert cache.swap_kv.shape[0] == settings.num_cpu_blocks == 6
     assert type(cache.manager.index).__name__ == "RadixPrefixIndex"
     tensors_only = PagedKVCache.from_config(cfg, settings, torch.float32, "cpu", bookkeeping=False)
@@ -115,24 +115,27 @@ def test_metadata_is_built_on_the_device_from_tables_and_counts():
         builder.build(tables, [0], [1, 1], block_size=4)
 
 
-def test_paged_tables_follow_the_manager_incrementally():
+def test_paged_tables_are_the_managers_rows():
     cache = PagedKVCache(load_config("tiny"), num_blocks=8, block_size=2, enable_prefix_caching=True,
-                         max_model_len=16)
+                         max_model_len=8)
     cache.allocate("a", 3)
     cache.allocate("b", 2)
     assert cache.block_tables(["a", "b"]).tolist() == [[0, 1], [2, 0]]
     cache.allocate("a", 5)  # one more block for a
     assert cache.block_tables(["b", "a"]).tolist() == [[2, 0, 0], [0, 1, 3]]
+    with pytest.raises(ValueError, match="more than the 4 blocks a block table holds"):
+        cache.allocate("a", 9)  # past max_model_len: refused, nothing taken
+    assert cache.manager.block_table("a") == [0, 1, 3] and cache.manager.num_free_blocks == 4
     cache.free("a")
     cache.allocate("a", 2)  # freed and holding blocks afresh: its row is rewritten from scratch
     assert cache.block_tables(["a"]).tolist() == [[cache.manager.block_table("a")[0]]]
-    rows = cache._table.shape[0]
+    rows = len(cache.manager.tables)
     for i in range(3 * rows):  # many more requests than table rows: the rows of freed ones are reused
         assert cache.allocate(f"r{i}", 2)
         assert cache.block_tables([f"r{i}", "a"]).tolist() == [cache.manager.block_table(f"r{i}"),
                                                              cache.manager.block_table("a")]
         cache.free(f"r{i}")
-    assert cache._table.shape[0] == rows
+    assert len(cache.manager.tables) == rows
 
 
 @pytest.mark.parametrize("make_cache", [

@@ -33,7 +33,7 @@ class DecodeGraph:
     def __init__(self, model: Transformer, kv_cache: PagedKVCache, size: int):
         self.model, self.kv, self.size = model, kv_cache, size
         # Static buffers, made the way every step's inputs are: each row a one-token sequence.
-        tables = torch.zeros(size, kv_cache.table_width, dtype=torch.int32)
+        tables = torch.zeros(size, kv_cache.manager.table_width, dtype=torch.int32)
         self.input_ids, self.positions, self.attn = kv_cache.step_builder.build(
             tables, [0] * size, [1] * size, kv_cache.block_size, [0] * size)
         self.graph: torch.cuda.CUDAGraph | None = None

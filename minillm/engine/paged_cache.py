@@ -1,16 +1,14 @@
 """The paged KV cache (chapter 分页的 KV cache): blocks of ``block_size`` tokens, handed out as a
 request grows; the one object the scheduler asks to allocate, free, swap and look prompts up.
 
-The block bookkeeping is the pure-Python :class:`~minillm.engine.paging.KVCacheManager`; this class
-adds the tensors (the blocks, the pinned swap pool beside its bookkeeping) and the block tables the
-kernels read, one persistent host buffer: a row is claimed when a request first gets blocks and
-returned when it frees them, and each step writes only the entries that changed since the last
-(usually none, or the one block a decode just opened), so a step costs the host per request.
+The block bookkeeping, block tables included, is the pure-Python
+:class:`~minillm.engine.paging.KVCacheManager`; this class adds the tensors (the blocks, the pinned
+swap pool beside its bookkeeping) and hands the kernels a step's block tables, the manager's rows
+for its requests (a copy, so a step costs the host per request, not per block).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -19,15 +17,6 @@ from minillm.engine.engine_config import EngineConfig
 from minillm.engine.kv_cache import KVCache
 from minillm.engine.paging import BlockPool, KVCacheManager
 from minillm.engine.units import ceil_div
-
-MIN_TABLE_ROWS = 64
-
-
-@dataclass(eq=False)
-class _TableRow:
-    row: int
-    written: int = 0  # leading entries written
-    stable: int = 0  # leading entries that cannot change any more (committed blocks)
 
 
 class PagedKVCache(KVCache):
@@ -52,14 +41,9 @@ class PagedKVCache(KVCache):
                                     pin_memory=on_cuda) if num_cpu_blocks else None)
         if not bookkeeping:
             return
-        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching, prefix_index)
+        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching, prefix_index, max_model_len)
         self.swap_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self._swapped: dict[str, list[int]] = {}  # request id -> its blocks in the swap pool
-        self.table_width = ceil_div(max_model_len, block_size) if max_model_len else num_blocks
-        self._table = torch.zeros(MIN_TABLE_ROWS, self.table_width, dtype=torch.int32, pin_memory=on_cuda)
-        self._table_entries = self._table.numpy()  # the same memory, for cheap element writes
-        self._rows: dict[str, _TableRow] = {}  # a row for each request that holds blocks
-        self._free_rows = list(range(MIN_TABLE_ROWS - 1, -1, -1))
 
     @classmethod
     def from_config(cls, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype,
@@ -78,30 +62,20 @@ class PagedKVCache(KVCache):
     def allocate(self, request_id: str, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
         """Room for ``num_tokens`` tokens in total (a new request may start with ``prefix``);
         False, changing nothing, when the pool is short."""
-        new = request_id not in self.manager
-        if not self.manager.allocate(request_id, num_tokens, prefix):
-            return False
-        if new:
-            self._rows[request_id] = _TableRow(self._take_row())
-        return True
+        return self.manager.allocate(request_id, num_tokens, prefix)
 
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
         """The request's KV is computed for ``token_ids``: its new full blocks join the prefix cache."""
         self.manager.commit(request_id, token_ids)
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` slots: the blocks past them go back (rejected proposals),
-        and the table row's entries past them count as unwritten (a block allocated there later
-        may be another one)."""
+        """Keep the first ``num_tokens`` slots: the blocks past them go back (rejected proposals)."""
         self.manager.truncate(request_id, num_tokens)
-        entry = self._rows[request_id]
-        entry.written = min(entry.written, len(self.manager.request_blocks(request_id).blocks))
 
     def free(self, request_id: str) -> None:
         """Whatever the request holds goes back: its blocks and table row, its swapped-out blocks."""
         if request_id in self.manager:
             self.manager.free(request_id)
-            self._free_rows.append(self._rows.pop(request_id).row)
         self._free_swapped(request_id)
 
     def num_tokens(self, request_id: str) -> int:
@@ -158,30 +132,7 @@ class PagedKVCache(KVCache):
 
     # -- block tables -----------------------------------------------------------------------------
     def block_tables(self, request_ids: list[str]) -> torch.Tensor:
-        """Rows of the persistent table for these requests, cut to the widest of them; a row's
-        entries are written only where they changed since the last step (most steps: nowhere)."""
-        rows, width = [], 1
-        for request_id in request_ids:
-            held, entry = self.manager.request_blocks(request_id), self._rows[request_id]
-            blocks = held.blocks
-            if len(blocks) != entry.written or held.num_committed_blocks != entry.stable:
-                if len(blocks) > self.table_width:
-                    raise ValueError(f"request {request_id!r} holds {len(blocks)} blocks, more than the "
-                                     f"{self.table_width} its table row has (max_model_len)")
-                start = min(entry.written, entry.stable)
-                self._table_entries[entry.row, start:len(blocks)] = blocks[start:]
-                entry.written, entry.stable = len(blocks), held.num_committed_blocks
-            rows.append(entry.row)
-            if entry.written > width:
-                width = entry.written
-        return self._table[:, :width].index_select(0, torch.tensor(rows))
-
-    def _take_row(self) -> int:
-        if not self._free_rows:  # more requests hold blocks than there are rows: double the rows
-            rows = self._table.shape[0]
-            grown = torch.zeros(2 * rows, self.table_width, dtype=torch.int32,
-                                pin_memory=self._table.is_pinned())
-            grown[:rows] = self._table
-            self._table, self._table_entries = grown, grown.numpy()
-            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
-        return self._free_rows.pop()
+        """The requests' block tables (the manager's rows, copied), cut to the widest of them."""
+        rows, width = self.manager.table_rows(request_ids)
+        tables = torch.frombuffer(self.manager.tables, dtype=torch.int32).view(-1, self.manager.table_width)
+        return tables[rows, :width]

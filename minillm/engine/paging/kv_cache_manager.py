@@ -4,12 +4,15 @@ A request holds a block table (the ids of its blocks, in order) that grows as it
 appended, so it never wastes more than one partly filled block. Token position ``p`` of a request
 lives in slot ``block_table[p // block_size] * block_size + p % block_size`` of the flat cache.
 :class:`KVCacheManager` keeps the block tables over one :class:`BlockPool`, looks prompts up in a
-prefix index and caches their full blocks. It is pure bookkeeping: the tensors live in
+prefix index and caches their full blocks. Each request's table is a list and, written in the same
+statements, a row of one flat int32 array (:attr:`KVCacheManager.tables`), the layout an attention
+kernel reads: a step takes its requests' rows as they are. It is pure bookkeeping: the tensors live in
 :class:`~minillm.engine.paged_cache.PagedKVCache`, the one object the scheduler asks.
 """
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,11 +22,14 @@ from minillm.engine.paging.hash_index import HashPrefixIndex
 from minillm.engine.paging.radix_index import RadixPrefixIndex
 from minillm.engine.paging.prefix_index import PrefixIndex
 
+MIN_TABLE_ROWS = 64  # rows of the block-table array at first; it doubles when more requests hold blocks
+
 
 @dataclass(eq=False)
 class RequestBlocks:
     """One request's block table; a new record each time the request gets blocks afresh."""
 
+    row: int  # its row of the manager's ``tables``
     blocks: list[int] = field(default_factory=list)  # the block table
     num_tokens: int = 0  # token slots the request holds
     num_committed_blocks: int = 0  # leading full blocks already offered to the prefix index
@@ -34,15 +40,19 @@ class KVCacheManager:
 
     ``prefix_index`` picks the prefix cache: ``"hash"`` (chained block hashes, vLLM) or
     ``"radix"`` (radix tree, SGLang); both give the same answers while nothing is evicted, so the
-    chapter can compare hit rate and lookup time on one workload.
+    chapter can compare hit rate and lookup time on one workload. ``max_model_len`` bounds a
+    request's block table (default: the whole pool).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 prefix_index: str = "hash"):
+                 prefix_index: str = "hash", max_model_len: int | None = None):
         check_choice("prefix_index", prefix_index, PREFIX_INDEXES)
         self.pool = BlockPool(num_blocks)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.table_width = -(-max_model_len // block_size) if max_model_len else num_blocks
+        self.tables = array("i", bytes(4 * MIN_TABLE_ROWS * self.table_width))  # rows of table_width int32
+        self._free_rows = list(range(MIN_TABLE_ROWS - 1, -1, -1))
         index_class = HashPrefixIndex if prefix_index == "hash" else RadixPrefixIndex
         self.index: PrefixIndex | None = index_class(block_size) if enable_prefix_caching else None
         self._requests: dict[str, RequestBlocks] = {}
@@ -118,8 +128,13 @@ class KVCacheManager:
         revived = sum(1 for block in prefix if self.pool.ref_counts[block] == 0)  # leave the evictable ones
         if num_new_blocks + revived > self.num_free_blocks:
             return False
+        if -(-num_tokens // self.block_size) > self.table_width:
+            raise ValueError(f"request {request_id!r}: {num_tokens} tokens need more than the "
+                             f"{self.table_width} blocks a block table holds (max_model_len)")
         if request is None:
-            request = self._requests[request_id] = RequestBlocks(list(prefix), num_committed_blocks=len(prefix))
+            request = self._requests[request_id] = RequestBlocks(self._take_row(), list(prefix),
+                                                                 num_committed_blocks=len(prefix))
+            self._write(request, 0, prefix)
             for block in prefix:
                 if self.pool.incref(block) == 1:
                     self.index.lock(block)
@@ -127,7 +142,9 @@ class KVCacheManager:
         if shortfall > 0:  # reuse cached blocks nobody holds, least recently used first
             for block in self.index.evict(shortfall):
                 self.pool.free(block)
-        request.blocks += [self.pool.allocate() for _ in range(num_new_blocks)]
+        new_blocks = [self.pool.allocate() for _ in range(num_new_blocks)]
+        self._write(request, len(request.blocks), new_blocks)
+        request.blocks += new_blocks
         request.num_tokens = num_tokens
         return True
 
@@ -154,6 +171,7 @@ class KVCacheManager:
                     self.index.lock(shared)
                 self._release([own])
                 request.blocks[position] = shared
+                self._write(request, position, [shared])
         request.num_committed_blocks = num_full
 
     def free(self, request_id: str) -> None:
@@ -161,6 +179,7 @@ class KVCacheManager:
         request = self.request_blocks(request_id)
         del self._requests[request_id]
         self._release(request.blocks)
+        self._free_rows.append(request.row)
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Hold only the first ``num_tokens`` token slots (the rest held rejected speculative
@@ -186,6 +205,23 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return list(self.request_blocks(request_id).blocks)
+
+    def table_rows(self, request_ids: Sequence[str]) -> tuple[list[int], int]:
+        """The requests' rows of :attr:`tables` and the length of the longest of their tables (at
+        least 1); a shorter row's entries past its blocks are stale, no kernel reads them."""
+        held = [self.request_blocks(request_id) for request_id in request_ids]
+        return [request.row for request in held], max([len(request.blocks) for request in held] + [1])
+
+    def _write(self, request: RequestBlocks, position: int, blocks: Sequence[int]) -> None:
+        start = request.row * self.table_width + position
+        self.tables[start:start + len(blocks)] = array("i", blocks)
+
+    def _take_row(self) -> int:
+        if not self._free_rows:  # more requests hold blocks than there are rows: double the rows
+            rows = len(self.tables) // self.table_width
+            self.tables.frombytes(bytes(4 * len(self.tables)))
+            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
+        return self._free_rows.pop()
 
     def num_tokens(self, request_id: str) -> int:
         """Token slots the request holds."""
