@@ -248,18 +248,7 @@ def test_health_answers_while_the_longest_text_accepted_is_tokenized(smollm_serv
     assert tokenizer_limit > 500_000  # 8192 tokens of SmolLM2's longest
     text = ("The KV cache holds 键和值 of every token; " * 40000)[:tokenizer_limit]
 
-    async def scenario():
-        async with httpx.AsyncClient(base_url=smollm_server.url, timeout=120) as client:
-            big = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": text}))
-            latencies = []
-            while not big.done():
-                start = time.perf_counter()
-                assert (await client.get("/health")).status_code == 200
-                latencies.append(time.perf_counter() - start)
-                await asyncio.sleep(0.02)
-            return await big, latencies
-
-    answer, latencies = asyncio.run(scenario())
+    answer, latencies = health_while_posting(smollm_server.url, "/v1/completions", json={"prompt": text})
     assert answer.status_code == 400 and "However, your prompt has" in answer.text
     assert len(latencies) >= 10, latencies  # /health answered all along the tokenizing
     assert max(latencies) < 0.5, latencies
@@ -275,11 +264,22 @@ def test_health_answers_while_a_body_of_tiny_items_is_parsed(chat_server):
     body = ('{"messages":[' + message * count + '{"role":5}]}').encode()
     assert 8 * 2**20 - 300 < len(body) <= 8 * 2**20
 
+    answer, latencies = health_while_posting(chat_server.url, "/v1/chat/completions", content=body,
+                                             headers={**keyed(chat_server), "content-type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"] == {
+        "message": f"messages.{count}.role: Input should be a valid string",
+        "type": "BadRequestError", "param": f"messages.{count}.role", "code": 400}
+    assert len(latencies) >= 10, latencies  # /health answered all along the parsing
+    assert max(latencies) < 2, latencies
+
+
+def health_while_posting(url: str, path: str, **post) -> tuple[httpx.Response, list[float]]:
+    """POST ``path`` and, until it is answered, GET /health every 20 ms: the answer and the
+    seconds each /health took (each must be a 200)."""
     async def scenario():
-        async with httpx.AsyncClient(base_url=chat_server.url, timeout=300,
-                                     headers=keyed(chat_server)) as client:
-            big = asyncio.ensure_future(client.post(
-                "/v1/chat/completions", content=body, headers={"content-type": "application/json"}))
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            big = asyncio.ensure_future(client.post(path, **post))
             latencies = []
             while not big.done():
                 start = time.perf_counter()
@@ -288,13 +288,7 @@ def test_health_answers_while_a_body_of_tiny_items_is_parsed(chat_server):
                 await asyncio.sleep(0.02)
             return await big, latencies
 
-    answer, latencies = asyncio.run(scenario())
-    assert answer.status_code == 400, answer.text
-    assert answer.json()["error"] == {
-        "message": f"messages.{count}.role: Input should be a valid string",
-        "type": "BadRequestError", "param": f"messages.{count}.role", "code": 400}
-    assert len(latencies) >= 10, latencies  # /health answered all along the parsing
-    assert max(latencies) < 2, latencies
+    return asyncio.run(scenario())
 
 
 def server_limit(server) -> int:
