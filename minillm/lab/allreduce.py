@@ -26,6 +26,9 @@ def two_ranks(device: str = "cpu") -> torch.device:
     return torch.device("cuda", 0) if device.type == "cuda" else device
 
 
+WARMUP = 5  # untimed all-reduces of each size, before the first timed one
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -34,7 +37,8 @@ def _free_port() -> int:
 
 def _rank(rank: int, port: int, sizes: tuple[int, ...], repeats: int, device_type: str, results) -> None:
     """One of the two processes: all-reduce float32 messages of each size ``repeats`` times, each
-    after a barrier; rank 0 puts each size's median seconds on ``results``."""
+    after a barrier (every size first ``WARMUP`` times untimed); rank 0 puts each size's median
+    seconds on ``results``."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -45,10 +49,11 @@ def _rank(rank: int, port: int, sizes: tuple[int, ...], repeats: int, device_typ
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=2)
     try:
+        messages = [torch.ones(nbytes // 4, device=device) for nbytes in sizes]
+        for x in messages * WARMUP:  # the connection and every size's buffers settle before any is timed
+            dist.all_reduce(x)
         medians = []
-        for nbytes in sizes:
-            x = torch.ones(nbytes // 4, device=device)
-            dist.all_reduce(x)  # warm up this size's buffers
+        for x in messages:
             samples = []
             for _ in range(repeats):
                 dist.barrier()
