@@ -7,7 +7,6 @@ The processes are spawned, so their function lives here, in an importable module
 from __future__ import annotations
 
 import socket
-import statistics
 import time
 
 import torch
@@ -36,9 +35,10 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, port: int, sizes: tuple[int, ...], repeats: int, device_type: str, results) -> None:
-    """One of the two processes: all-reduce float32 messages of each size ``repeats`` times, each
-    after a barrier (every size first ``WARMUP`` times untimed); rank 0 puts each size's median
-    seconds on ``results``."""
+    """One of the two processes: all-reduce float32 messages of each size ``repeats`` times, the
+    sizes in turn, each after a barrier (every size first ``WARMUP`` times untimed); rank 0 puts
+    each size's fastest seconds on ``results`` (what the link does; on a busy machine most tries
+    of one size can stall)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -52,25 +52,23 @@ def _rank(rank: int, port: int, sizes: tuple[int, ...], repeats: int, device_typ
         messages = [torch.ones(nbytes // 4, device=device) for nbytes in sizes]
         for x in messages * WARMUP:  # the connection and every size's buffers settle before any is timed
             dist.all_reduce(x)
-        medians = []
-        for x in messages:
-            samples = []
-            for _ in range(repeats):
+        samples = [[] for _ in sizes]
+        for _ in range(repeats):  # the sizes take turns
+            for x, seconds in zip(messages, samples):
                 dist.barrier()
                 sync()
                 start = time.perf_counter()
                 dist.all_reduce(x)
                 sync()
-                samples.append(time.perf_counter() - start)
-            medians.append(statistics.median(samples))
+                seconds.append(time.perf_counter() - start)
         if rank == 0:
-            results.put(medians)
+            results.put([min(seconds) for seconds in samples])
     finally:
         dist.destroy_process_group()
 
 
 def allreduce_sweep(sizes: tuple[int, ...], repeats: int = 30, device: str = "cpu") -> dict[int, float]:
-    """Median seconds of one all-reduce of each message size (bytes) between two processes."""
+    """Seconds of one all-reduce of each message size (bytes) between two processes, the fastest try."""
     import torch.multiprocessing as mp
 
     if len(sizes) < 2 or any(n < 4 or n % 4 for n in sizes):
@@ -82,13 +80,13 @@ def allreduce_sweep(sizes: tuple[int, ...], repeats: int = 30, device: str = "cp
     for p in ranks:
         p.start()
     try:
-        medians = results.get(timeout=120)
+        fastest = results.get(timeout=120)
     finally:
         for p in ranks:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return dict(zip(sizes, medians, strict=True))
+    return dict(zip(sizes, fastest, strict=True))
 
 
 def fit_link(points: dict[int, float], tp: int = 2) -> AllReduceCost:
