@@ -27,6 +27,7 @@ from minillm.engine.loader import load_model
 from minillm.engine.sampling import SamplingParams
 from minillm.engine.units import ceil_div
 from minillm.lab.bench_cli import add_options, report
+from minillm.lab.bench_step import SAME_OPS_WIDTHS
 
 MEASURES = {  # what the record's numbers are
     "engine_seconds": "wall time of a decode step whose model forward is a no-op of the same interface "
@@ -103,8 +104,7 @@ def decode_launches(model_name: str, device, dtype) -> dict:
     config = load_config(model_name)
     counts = []
     for layers in (1, 2):
-        model = load_model(config.replace(num_layers=layers, vocab_size=512, hidden_size=64,
-                                          intermediate_size=128, head_dim=16), device=device,
+        model = load_model(config.replace(num_layers=layers, **SAME_OPS_WIDTHS), device=device,
                            dtype=dtype, weights="random")
         llm = LLM(model, num_kv_blocks=8, block_size=16, enforce_eager=True)
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)

@@ -9,7 +9,8 @@ step's input tensors) are "other ops", and what the profiled step took beyond al
 (modules, the scheduler, the runner) and the profiler's own cost. Beside it, the step's floor
 ``max(F/P, M/W)`` from the ledger (the bytes a step really reads, ``estimate.decode_read_bytes``,
 plus its KV) at this machine's probed ceilings, measured under the same threads. The chapter's lab
-uses the same pieces: ``decoding_request``, ``profiled_parts`` and ``step_floor``.
+uses the same pieces: ``decoding_request``, ``profiled_parts`` and ``step_floor``, and times the
+step's fixed cost on a copy of the model shrunk to ``SAME_OPS_WIDTHS``.
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ FUNCTIONS = {model_module: {"apply_rope": "rope", "store_kv": "attention",
              model_runner: {"sample": "sampling"}}  # module-level functions the step calls, by part
 LABEL = "minillm/"  # the profiler ranges' prefix
 WARMUP = 3  # untimed decode steps before the caller's
+# Every width cut to tens: a copy of a model with these keeps its layers, heads and ops per layer,
+# while its weights and KV hardly take a byte (the step's fixed cost, issuing the ops).
+SAME_OPS_WIDTHS = dict(hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=512)
 
 
 def _part(name: str, module: nn.Module) -> str | None:
