@@ -148,6 +148,26 @@ def test_sampler_peak_is_what_the_meter_sees(rows):
     assert peaks["top-k first"] < sampler_peak_bytes(rows, vocab) / 2  # no sort of the whole vocabulary
 
 
+def test_meter_counts_a_new_storage_at_an_address_freed_before_its_finalizer_ran():
+    # A storage resized to nothing frees its memory while the storage, and its finalizer, live on;
+    # an allocation of the same size gets the address back soon: above 32 MiB the C allocator maps
+    # each block from the system and hands a freed one back to it (untouched pages cost nothing).
+    numel = 2**24
+    with PeakTensorBytes() as meter:
+        old = torch.empty(numel)
+        address = old.data_ptr()
+        old.untyped_storage().resize_(0)
+        new = [torch.empty(numel)]
+        while new[-1].data_ptr() != address and len(new) < 8:
+            new.append(torch.empty(numel))
+        assert new[-1].data_ptr() == address
+        assert meter.live_bytes == meter.peak_bytes == (len(new) + 1) * numel * 4  # old counts its bytes till it dies
+        del old
+        assert meter.live_bytes == len(new) * numel * 4
+        new.clear()
+        assert meter.live_bytes == 0
+
+
 SHAPES = {  # the tiny preset, and two variants whose attention moment is their largest
     "tiny": {},
     "wide attention": dict(num_heads=32, intermediate_size=64),
