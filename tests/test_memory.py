@@ -9,12 +9,13 @@ import torch
 from minillm import LLM
 from minillm.__main__ import main
 from minillm.engine.config import load_config
+from minillm.engine.engine import LLMEngine
 from minillm.engine.loader import load_model
 from minillm.engine.memory_plan import MemoryPlanError
 from minillm.engine.model import Transformer
 from minillm.engine.planner import (DRY_RUN_OUTSIDE_TORCH_BYTES, PeakTensorBytes, activation_estimate,
                                     clamp_to_device, plan, profile_activation_peak, sampler_peak_bytes)
-from minillm.engine.sampling import SamplingParams, sample
+from minillm.engine.sampling import MAX_LOGPROBS, SamplingParams, sample
 from minillm.lab.estimate import GiB, kv_bytes_per_token, memory_budget, weight_bytes
 from minillm.lab.vllm_logs import beside_vllm, dry_run, reported_memory, startup_log
 
@@ -188,6 +189,28 @@ def test_activation_estimate_is_what_the_cpu_profile_measures(tiny_model, dtype,
     model = Transformer(config).to(dtype)
     measured = profile_activation_peak(model, num_tokens, num_seqs, block_size=16)
     assert measured == pytest.approx(activation_estimate(config, num_tokens, num_seqs, dtype), rel=1e-3)
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 64])  # the plan's peak: the MLP's moment, the sampler's
+def test_a_step_that_scores_its_prompt_peaks_within_the_plan(tiny_model, max_num_seqs):
+    """A 256-token prompt asking for its prompt logprobs, in one step of the 256-token budget: its
+    255 scored rows' logits come max_num_seqs rows at a time, so they add nothing to the step's
+    metered peak, which is the plan's (the plan leaves out the step's own inputs, a few KiB)."""
+    engine = LLMEngine(tiny_model, memory_limit="64MiB", max_model_len=1024, max_num_batched_tokens=256,
+                       max_num_seqs=max_num_seqs)
+    prompt = list(range(1, 257))
+    peaks = {}
+    for asks in (None, MAX_LOGPROBS):
+        engine.add_request(f"asks {asks}", prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=asks))
+        with PeakTensorBytes() as meter:
+            (out,) = engine.step()
+        assert out.finished and (asks is None or len(out.prompt_logprobs) == 256)
+        peaks[asks] = meter.peak_bytes
+    planned = engine.memory_plan.activation_peak_bytes
+    assert peaks[MAX_LOGPROBS] == peaks[None] <= planned * 1.01
+    assert [len(e.top) for e in out.prompt_logprobs[1:]] == [MAX_LOGPROBS] * 255
+    # scored at once, the float32 logits and log-softmax of the 255 rows (8 bytes a logit) outgrow it
+    assert 8 * 255 * tiny_model.config.vocab_size > planned
 
 
 def test_cpu_plan_with_a_memory_limit_is_profiled(tiny_model):

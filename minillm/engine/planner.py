@@ -79,8 +79,10 @@ def activation_estimate(cfg: ModelConfig, num_tokens: int, num_sampled_rows: int
     expert's gathered rows ``[T, h]``, the router's float32 probabilities ``[T, E]``,
     ``ROUTED_PAIR_BYTES`` per (token, expert) pair, and the larger of the expert's three ``[T, I]``
     and its output beside that output weighted in float32. Sampling: the final hidden states and the
-    sampler's peak over ``[R, V]`` logits (``sampler_peak_bytes``). Attention is assumed fused (no
-    ``[T, T]`` scores), as the GPU kernels are.
+    sampler's peak over ``[R, V]`` logits (``sampler_peak_bytes``); the rows that score prompt
+    tokens (prompt logprobs) come before, at most R at a time (their float32 logits and log-softmax,
+    8 bytes a logit), under that peak. Attention is assumed fused (no ``[T, T]`` scores), as the
+    GPU kernels are.
     """
     t, h, d, b = num_tokens, cfg.hidden_size, cfg.head_dim, torch_dtype(dtype).itemsize
     q, kv = cfg.q_size, cfg.kv_size
@@ -236,9 +238,7 @@ def plan(model, device=None, dtype=None, gpu_memory=None, engine_config: EngineC
     check_max_model_len(config.max_model_len, cfg.max_position_embeddings)
 
     num_tokens = config.max_num_batched_tokens
-    spec = config.speculative_config  # a request verifying k proposals samples k + 1 rows
-    rows_per_seq = 1 if spec is None else spec.num_speculative_tokens + 1
-    num_seqs = min(config.max_num_seqs * rows_per_seq, num_tokens)  # the step with the most sampled rows
+    num_seqs = config.max_sampled_rows  # the step with the most sampled rows
     if gpu_memory is not None:
         measured = _dry_run(cfg, tp, dtype, gpu_memory, num_tokens, num_seqs, config)
     else:
