@@ -195,7 +195,8 @@ def test_activation_estimate_is_what_the_cpu_profile_measures(tiny_model, dtype,
 def test_a_step_that_scores_its_prompt_peaks_within_the_plan(tiny_model, max_num_seqs):
     """A 256-token prompt asking for its prompt logprobs, in one step of the 256-token budget: its
     255 scored rows' logits come max_num_seqs rows at a time, so they add nothing to the step's
-    metered peak, which is the plan's (the plan leaves out the step's own inputs, a few KiB)."""
+    metered peak, and that peak is within the plan's (to the step's own inputs, a few KiB that the
+    profile leaves out)."""
     engine = LLMEngine(tiny_model, memory_limit="64MiB", max_model_len=1024, max_num_batched_tokens=256,
                        max_num_seqs=max_num_seqs)
     prompt = list(range(1, 257))
