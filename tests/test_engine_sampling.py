@@ -234,10 +234,11 @@ def assert_prompt_logprobs(got, reference, num_top: int) -> None:
 @pytest.mark.parametrize("budget", [None, 5, 8])
 def test_prompt_logprobs_are_transformers_float32_whole_or_in_chunks(hf_checkpoint, budget):
     """Every prompt token's logprob and top 3 are log_softmax of transformers' float32 logits at
-    the position before it, with the prompt computed in one step or in chunks of 5 or 8; the
-    generated tokens are those of a request that asks for none."""
+    the position before it, with the prompt computed in one step or in chunks of 5 or 8 and its
+    rows scored two at a time (max_num_seqs=2); the generated tokens are those of a request that
+    asks for none."""
     folder, reference = hf_checkpoint
-    llm = LLM(folder, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4,
+    llm = LLM(folder, device="cpu", dtype=torch.float32, num_kv_blocks=64, block_size=4, max_num_seqs=2,
               **({} if budget is None else dict(max_num_batched_tokens=budget, enable_chunked_prefill=True)))
     greedy = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
     asking, plain = llm.generate([PROMPT, PROMPT[:9]], [SamplingParams(**greedy, prompt_logprobs=3),

@@ -9,12 +9,13 @@ import torch
 from minillm import LLM
 from minillm.__main__ import main
 from minillm.engine.config import load_config
+from minillm.engine.engine import LLMEngine
 from minillm.engine.loader import load_model
 from minillm.engine.memory_plan import MemoryPlanError
 from minillm.engine.model import Transformer
 from minillm.engine.planner import (DRY_RUN_OUTSIDE_TORCH_BYTES, PeakTensorBytes, activation_estimate,
                                     clamp_to_device, plan, profile_activation_peak, sampler_peak_bytes)
-from minillm.engine.sampling import SamplingParams, sample
+from minillm.engine.sampling import MAX_LOGPROBS, SamplingParams, sample
 from minillm.lab.estimate import GiB, kv_bytes_per_token, memory_budget, weight_bytes
 from minillm.lab.vllm_logs import beside_vllm, dry_run, reported_memory, startup_log
 
@@ -148,6 +149,26 @@ def test_sampler_peak_is_what_the_meter_sees(rows):
     assert peaks["top-k first"] < sampler_peak_bytes(rows, vocab) / 2  # no sort of the whole vocabulary
 
 
+def test_meter_counts_a_new_storage_at_an_address_freed_before_its_finalizer_ran():
+    # A storage resized to nothing frees its memory while the storage, and its finalizer, live on;
+    # an allocation of the same size gets the address back soon: above 32 MiB the C allocator maps
+    # each block from the system and hands a freed one back to it (untouched pages cost nothing).
+    numel = 2**24
+    with PeakTensorBytes() as meter:
+        old = torch.empty(numel)
+        address = old.data_ptr()
+        old.untyped_storage().resize_(0)
+        new = [torch.empty(numel)]
+        while new[-1].data_ptr() != address and len(new) < 8:
+            new.append(torch.empty(numel))
+        assert new[-1].data_ptr() == address
+        assert meter.live_bytes == meter.peak_bytes == (len(new) + 1) * numel * 4  # old counts its bytes till it dies
+        del old
+        assert meter.live_bytes == len(new) * numel * 4
+        new.clear()
+        assert meter.live_bytes == 0
+
+
 SHAPES = {  # the tiny preset, and two variants whose attention moment is their largest
     "tiny": {},
     "wide attention": dict(num_heads=32, intermediate_size=64),
@@ -168,6 +189,29 @@ def test_activation_estimate_is_what_the_cpu_profile_measures(tiny_model, dtype,
     model = Transformer(config).to(dtype)
     measured = profile_activation_peak(model, num_tokens, num_seqs, block_size=16)
     assert measured == pytest.approx(activation_estimate(config, num_tokens, num_seqs, dtype), rel=1e-3)
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 64])  # the plan's peak: the MLP's moment, the sampler's
+def test_a_step_that_scores_its_prompt_peaks_within_the_plan(tiny_model, max_num_seqs):
+    """A 256-token prompt asking for its prompt logprobs, in one step of the 256-token budget: its
+    255 scored rows' logits come max_num_seqs rows at a time, so they add nothing to the step's
+    metered peak, and that peak is within the plan's (to the step's own inputs, a few KiB that the
+    profile leaves out)."""
+    engine = LLMEngine(tiny_model, memory_limit="64MiB", max_model_len=1024, max_num_batched_tokens=256,
+                       max_num_seqs=max_num_seqs)
+    prompt = list(range(1, 257))
+    peaks = {}
+    for asks in (None, MAX_LOGPROBS):
+        engine.add_request(f"asks {asks}", prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=asks))
+        with PeakTensorBytes() as meter:
+            (out,) = engine.step()
+        assert out.finished and (asks is None or len(out.prompt_logprobs) == 256)
+        peaks[asks] = meter.peak_bytes
+    planned = engine.memory_plan.activation_peak_bytes
+    assert peaks[MAX_LOGPROBS] == peaks[None] <= planned * 1.01
+    assert [len(e.top) for e in out.prompt_logprobs[1:]] == [MAX_LOGPROBS] * 255
+    # scored at once, the float32 logits and log-softmax of the 255 rows (8 bytes a logit) outgrow it
+    assert 8 * 255 * tiny_model.config.vocab_size > planned
 
 
 def test_cpu_plan_with_a_memory_limit_is_profiled(tiny_model):

@@ -186,6 +186,14 @@ class EngineConfig:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not combine with "
                                  f"{', '.join(unsupported)} in minillm: use tensor_parallel_size=1 for them")
 
+    @property
+    def max_sampled_rows(self) -> int:
+        """The most logit rows one step samples: one per running request, or k + 1 for one that
+        verifies k proposals, within the token budget (the rows the planner sizes the sampler for)."""
+        spec = self.speculative_config
+        rows_per_seq = 1 if spec is None else spec.num_speculative_tokens + 1
+        return min(self.max_num_seqs * rows_per_seq, self.max_num_batched_tokens)
+
     def replace(self, **changes) -> "EngineConfig":
         """A copy with some settings changed (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -7,10 +7,11 @@ every request whose tokens are now all computed (its stop tokens masked while it
 ``min_tokens``, its logit bias and penalties applied, and for a structured request what its
 grammar forbids): one device-to-host copy, and one more for the logprobs of the requests that ask
 for them. A request that asks for its prompt's logprobs has the logits of all its prompt positions
-in the step computed too (a chunk's at a time) and turned into them. A request with proposed
-tokens (speculative decoding) feeds them after its last token (a draft of the model's first layers
-drafts them first, on the same cache); :func:`~minillm.engine.speculative.verify` turns the logits
-at its positions into the tokens it keeps.
+in the step computed too and turned into them, before the sampled rows' and at most
+``max_sampled_rows`` rows at a time, so that they stay under the sampler's planned peak. A
+request with proposed tokens (speculative decoding) feeds them after its last token (a draft of
+the model's first layers drafts them first, on the same cache);
+:func:`~minillm.engine.speculative.verify` turns the logits at its positions into the tokens it keeps.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ class ModelRunner:
             sizes = (graph_sizes(config.max_num_seqs) if self.device.type == "cuda" and not moe_on_cuda
                      and workers is None else [])
         self.decode_graphs = DecodeGraphs(model, kv_cache, [] if config.enforce_eager else list(sizes))
+        self.max_sampled_rows = config.max_sampled_rows  # also the most prompt rows scored at once
         spec = config.speculative_config
         self.draft = LayerDraft(model, kv_cache, spec) if spec is not None and spec.method == "draft_layers" else None
         self.draft_probs: dict[str, torch.Tensor] = {}  # this step's q rows of the drawn drafts
@@ -100,8 +102,11 @@ class ModelRunner:
                 sampled_requests.append(request)
         input_ids, positions, attn = self.kv.prepare_inputs(batch, input_ids)
         logit_rows = prompt_rows + last_rows
+        step = self.max_sampled_rows  # logits are computed for the prompt rows this many at a time, then the rest
+        prompt_slices = [min(step, len(prompt_rows) - i) for i in range(0, len(prompt_rows), step)]
+        slices = prompt_slices + ([len(last_rows)] if last_rows else [])
         if self.workers is not None:
-            self.workers.broadcast_step(input_ids, attn, logit_rows, output.blocks_to_swap_out,
+            self.workers.broadcast_step(input_ids, attn, logit_rows, slices, output.blocks_to_swap_out,
                                         output.blocks_to_swap_in)
         if attn.max_query_len == 1 and self.decode_graphs.holds(len(batch)):
             hidden = self.decode_graphs.run(input_ids, positions, attn)
@@ -111,12 +116,12 @@ class ModelRunner:
             return {}
         if prompt_rows or len(last_rows) < len(hidden):  # only the rows whose logits are needed
             hidden = hidden[torch.tensor(logit_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)
+        hidden = hidden.split(slices)
         if scoring:
-            self._prompt_logprobs(scoring, logits[:len(prompt_rows)])
+            self._prompt_logprobs(scoring, hidden[:len(prompt_slices)])
         if not sampled_requests:
             return {}
-        raw = logits = logits[len(prompt_rows):]
+        raw = logits = self.model.compute_logits(hidden[-1])
         rows = [(r, j) for r in sampled_requests for j in range(len(r.spec_token_ids) + 1)]
         params = [r.params for r, _ in rows]
         if any(len(r.output_token_ids) + j < r.params.min_tokens for r, j in rows):
@@ -157,12 +162,18 @@ class ModelRunner:
         for request in asking:
             self.logprobs[request.request_id] = [next(found) for _ in sampled[request.request_id]]
 
-    def _prompt_logprobs(self, scoring: list[tuple[Request, range]], logits: torch.Tensor) -> None:
-        """:attr:`prompt_logprobs`: the prompt token after each scored position, by its row of ``logits``."""
+    def _prompt_logprobs(self, scoring: list[tuple[Request, range]], hidden: tuple[torch.Tensor, ...]) -> None:
+        """:attr:`prompt_logprobs`: the prompt token after each scored position, by its row of the
+        ``hidden`` slices' logits (one slice's logits at a time)."""
         tokens = [t for request, positions in scoring
                   for t in request.prompt_token_ids[positions.start + 1:positions.stop + 1]]
-        found = iter(token_logprobs(logits, tokens, [request.params.prompt_logprobs
-                                                     for request, positions in scoring for _ in positions]))
+        num_top = [request.params.prompt_logprobs for request, positions in scoring for _ in positions]
+        found, row = [], 0
+        for rows in hidden:
+            found += token_logprobs(self.model.compute_logits(rows), tokens[row:row + len(rows)],
+                                    num_top[row:row + len(rows)])
+            row += len(rows)
+        found = iter(found)
         for request, positions in scoring:
             self.prompt_logprobs[request.request_id] = [next(found) for _ in positions]
 

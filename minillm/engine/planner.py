@@ -79,8 +79,10 @@ def activation_estimate(cfg: ModelConfig, num_tokens: int, num_sampled_rows: int
     expert's gathered rows ``[T, h]``, the router's float32 probabilities ``[T, E]``,
     ``ROUTED_PAIR_BYTES`` per (token, expert) pair, and the larger of the expert's three ``[T, I]``
     and its output beside that output weighted in float32. Sampling: the final hidden states and the
-    sampler's peak over ``[R, V]`` logits (``sampler_peak_bytes``). Attention is assumed fused (no
-    ``[T, T]`` scores), as the GPU kernels are.
+    sampler's peak over ``[R, V]`` logits (``sampler_peak_bytes``); the rows that score prompt
+    tokens (prompt logprobs) come before, at most R at a time (their float32 logits and log-softmax,
+    8 bytes a logit), under that peak. Attention is assumed fused (no ``[T, T]`` scores), as the
+    GPU kernels are.
     """
     t, h, d, b = num_tokens, cfg.hidden_size, cfg.head_dim, torch_dtype(dtype).itemsize
     q, kv = cfg.q_size, cfg.kv_size
@@ -102,35 +104,36 @@ class PeakTensorBytes(TorchDispatchMode):
     peak meter).
 
     Every storage an aten op allocates (an output whose storage is not one of the op's inputs')
-    counts from its creation until it is freed (a weakref finalizer on the storage). On CUDA the
-    caching allocator keeps this count itself (``torch.cuda.max_memory_allocated``); the CPU has no
-    such counter, so this one sees what the allocator sees, except scratch space that a kernel
-    frees before it returns.
+    counts its bytes from its creation until it is freed (a weakref finalizer on the storage, which
+    takes back that storage's bytes and nothing else). Storages are told apart by identity, not by
+    address: an address freed before its storage's finalizer ran (a storage resized in place, say)
+    may come back to a new allocation, which counts as well. On CUDA the caching allocator keeps
+    this count itself (``torch.cuda.max_memory_allocated``); the CPU has no such counter, so this
+    one sees what the allocator sees, except scratch space that a kernel frees before it returns.
     """
 
     def __init__(self):
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
-        self._sizes: dict[int, int] = {}  # data pointer of each live storage -> its bytes
+        self._counted = weakref.WeakSet()  # the live storages counted
 
-    def _free(self, key: int) -> None:
-        self.live_bytes -= self._sizes.pop(key)
+    def _free(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
         for tensor in _tensors(out):
             storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            if key in self._sizes or not storage.nbytes():
-                continue
-            if any(t.untyped_storage().data_ptr() == key for t in _tensors((args, kwargs))):
-                continue  # a view or an in-place result: memory made before, or counted already
-            self._sizes[key] = storage.nbytes()
-            self.live_bytes += storage.nbytes()
+            nbytes = storage.nbytes()
+            if not nbytes or storage in self._counted or storage.data_ptr() in inputs:
+                continue  # empty, counted already, or a view or in-place result of an input
+            self._counted.add(storage)
+            self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-            weakref.finalize(storage, self._free, key)
+            weakref.finalize(storage, self._free, nbytes)
         return out
 
 
@@ -235,9 +238,7 @@ def plan(model, device=None, dtype=None, gpu_memory=None, engine_config: EngineC
     check_max_model_len(config.max_model_len, cfg.max_position_embeddings)
 
     num_tokens = config.max_num_batched_tokens
-    spec = config.speculative_config  # a request verifying k proposals samples k + 1 rows
-    rows_per_seq = 1 if spec is None else spec.num_speculative_tokens + 1
-    num_seqs = min(config.max_num_seqs * rows_per_seq, num_tokens)  # the step with the most sampled rows
+    num_seqs = config.max_sampled_rows  # the step with the most sampled rows
     if gpu_memory is not None:
         measured = _dry_run(cfg, tp, dtype, gpu_memory, num_tokens, num_seqs, config)
     else:

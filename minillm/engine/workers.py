@@ -31,23 +31,24 @@ class TensorParallelError(RuntimeError):
     """A rank died, a collective failed, or the engine was closed: the engine cannot step."""
 
 
-def _pack_step(input_ids, attn, last_rows, swap_out, swap_in) -> tuple[list[int], torch.Tensor]:
+def _pack_step(input_ids, attn, last_rows, slices, swap_out, swap_in) -> tuple[list[int], torch.Tensor]:
     """One step's inputs as a header (sizes) and one int64 tensor on the step's device: the token
     ids, each sequence's computed and new token counts and its block-table row (what rank 0's
-    ``StepBuilder`` built the step from), the rows to compute logits for, the blocks to swap."""
+    ``StepBuilder`` built the step from), the rows to compute logits for and how many rows each
+    logits computation takes, the blocks to swap."""
     batch, width = attn.block_tables.shape
     flat_pairs = [b for pair in (*swap_out, *swap_in) for b in pair]
-    header = [len(input_ids), batch, width, len(last_rows), len(swap_out), len(swap_in)]
+    header = [len(input_ids), batch, width, len(last_rows), len(slices), len(swap_out), len(swap_in)]
     num_new = attn.cu_seqlens_q.diff()
-    extra = torch.tensor([*last_rows, *flat_pairs], dtype=torch.int64, device=input_ids.device)
+    extra = torch.tensor([*last_rows, *slices, *flat_pairs], dtype=torch.int64, device=input_ids.device)
     payload = torch.cat([input_ids.long(), (attn.seq_lens - num_new).long(), num_new.long(),
                          attn.block_tables.reshape(-1).long(), extra])
     return header, payload
 
 
 def _payload_sizes(header: list[int]) -> list[int]:
-    tokens, batch, width, rows, num_out, num_in = header
-    return [tokens, batch, batch, batch * width, rows, 2 * num_out, 2 * num_in]
+    tokens, batch, width, rows, num_slices, num_out, num_in = header
+    return [tokens, batch, batch, batch * width, rows, num_slices, 2 * num_out, 2 * num_in]
 
 
 def _rank_device(device: torch.device, rank: int) -> torch.device:
@@ -104,14 +105,15 @@ def _worker_step(net, kv, header: list[int], device: torch.device) -> None:
     """Receive the step rank 0 runs, build its inputs the way rank 0 did, run the shard's forward."""
     payload = torch.empty(sum(_payload_sizes(header)), dtype=torch.int64, device=device)
     dist.broadcast(payload, src=0)
-    ids, computed, new, tables, last, out, back = payload.cpu().split(_payload_sizes(header))
+    ids, computed, new, tables, last, slices, out, back = payload.cpu().split(_payload_sizes(header))
     pairs = lambda t: [tuple(p) for p in t.view(-1, 2).tolist()]  # noqa: E731
     kv.swap(pairs(out), pairs(back))
     input_ids, positions, attn = kv.step_builder.build(tables.view(header[1], header[2]).int(), computed.tolist(),
                                                        new.tolist(), kv.block_size, ids.tolist())
     hidden = net(input_ids, positions, attn, kv.layer_caches)
     if len(last):
-        net.compute_logits(hidden[last.to(device)])
+        for rows in hidden[last.to(device)].split(slices.tolist()):  # rank 0's logits computations
+            net.compute_logits(rows)
 
 
 class Workers:
@@ -179,10 +181,10 @@ class Workers:
         for conn in self.conns:
             conn.send(message)
 
-    def broadcast_step(self, input_ids, attn, last_rows, swap_out, swap_in) -> None:
+    def broadcast_step(self, input_ids, attn, last_rows, slices, swap_out, swap_in) -> None:
         """Tell the workers a step is coming and broadcast its inputs."""
         self.check()
-        header, payload = _pack_step(input_ids, attn, last_rows, swap_out, swap_in)
+        header, payload = _pack_step(input_ids, attn, last_rows, slices, swap_out, swap_in)
         self.order("step", header)
         collective(dist.broadcast, payload, 0)
 
