@@ -240,3 +240,20 @@ def test_llamacpp_bench_needs_a_gguf_and_the_optional_package(monkeypatch, capsy
     assert "pip install llama-cpp-python" in capsys.readouterr().err
     assert main(["bench", "llamacpp", "--threads", "1", "--max-tokens", "1"]) == 2
     assert "new_tokens must be an int >= 2, got 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_linear_layers_alone_run_every_linear_once_a_sample(quantization):
+    from minillm.engine.loader import load_model
+    from minillm.engine.quantization import Int4Linear, Int8Linear
+
+    model = load_model("tiny", device="cpu", weights="random", quantization=quantization)
+    calls = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Linear, Int4Linear, Int8Linear)):
+            module.register_forward_hook(lambda m, args, out, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+    samples = bench.time_linear_layers(model, 1, repeats=3)
+    assert len(samples) == 3 and min(samples) > 0
+    layers = model.config.num_layers
+    linears = layers * (4 if quantization is None else 2) + layers * (3 if quantization is None else 2) + 1
+    assert len(calls) == linears and set(calls.values()) == {3 + bench.WARMUP}

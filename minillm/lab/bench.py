@@ -98,7 +98,7 @@ def time_linear_layers(model: Transformer, rows: int, repeats: int, every_row_lo
     samples. The output layer on the last row, as in a prefill, or (``every_row_logits``) on every
     row, as in a decode step of ``rows`` requests. Beside a whole step it says how fast this
     machine runs the model's matmuls at that shape, independently of the profile's probes."""
-    cfg, device, dtype = model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
+    cfg, device, dtype = model.config, model.device, model.dtype
     x_hidden, x_heads, x_inner = (torch.randn(rows, width, dtype=dtype, device=device)
                                   for width in (cfg.hidden_size, cfg.q_size, cfg.intermediate_size))
 

@@ -4,7 +4,10 @@
 same CPU threads on both sides (the thread policy's). Each round runs minillm's engine, then
 llama.cpp (through ``llama-cpp-python``), so that a machine whose load drifts slows both alike;
 the medians over the rounds give prefill tokens per second (the prompt's step, its first token
-sampled) and decode tokens per second (one step per token after it), and their ratios.
+sampled) and decode tokens per second (one step per token after it), and their ratios. Each round
+also times minillm's linear layers alone on one row (every matmul of the layers and the output
+layer, ``bench.time_linear_layers``): beside llama.cpp's whole decode step, it says how much of
+the gap is the matmul kernels and how much everything else minillm's step issues.
 
 ``llama-cpp-python`` is optional and not a requirement of the book: it builds llama.cpp from
 source (``pip install llama-cpp-python``, minutes on a laptop), so this benchmark is not in CI.
@@ -22,6 +25,7 @@ from minillm.engine.engine_config import add_quantization_options
 from minillm.engine.llm import LLM
 from minillm.engine.loader import torch_dtype
 from minillm.engine.sampling import SamplingParams
+from minillm.lab.bench import time_linear_layers
 from minillm.lab.bench_cli import add_options, report
 
 
@@ -89,12 +93,14 @@ def bench_llamacpp(model_name: str = "smollm2-135m", device=None, dtype=None, qu
     _llama_round(llama, prompt, 2)
     sides = {"minillm": (_minillm_round, llm), "llama.cpp": (_llama_round, llama)}
     prefill, decode, agree = {side: [] for side in sides}, {side: [] for side in sides}, []
+    linears = []
     for _ in range(rounds):
         tokens = {}
         for side, (run, engine) in sides.items():
             first, steps, tokens[side] = run(engine, prompt, new_tokens)
             prefill[side].append(first)
             decode[side].append(statistics.median(steps))
+        linears.append(statistics.median(time_linear_layers(llm.model, 1, new_tokens)))
         same = [a == b for a, b in zip(tokens["minillm"], tokens["llama.cpp"])]
         agree.append(same.index(False) if False in same else len(same))
     result = {side: {"prefill_tokens_per_s": prompt_len / statistics.median(prefill[side]),
@@ -105,6 +111,7 @@ def bench_llamacpp(model_name: str = "smollm2-135m", device=None, dtype=None, qu
             "prompt_len": prompt_len, "new_tokens": new_tokens, "rounds": rounds, **result,
             "decode_ratio": result["minillm"]["decode_tokens_per_s"] / result["llama.cpp"]["decode_tokens_per_s"],
             "prefill_ratio": result["minillm"]["prefill_tokens_per_s"] / result["llama.cpp"]["prefill_tokens_per_s"],
+            "minillm_linears_s": statistics.median(linears),
             "greedy_tokens_agreed": min(agree)}
 
 
@@ -116,6 +123,9 @@ def format_llamacpp(r: dict) -> str:
     for kind in ("prefill", "decode"):
         ours, theirs = r["minillm"][f"{kind}_tokens_per_s"], r["llama.cpp"][f"{kind}_tokens_per_s"]
         lines.append(f"{kind + ' tok/s':<14} {ours:>10,.1f} {theirs:>10,.1f} {r[f'{kind}_ratio']:>6.2f}x")
+    step = 1 / r["llama.cpp"]["decode_tokens_per_s"]
+    lines.append(f"minillm's linears alone, one row: {r['minillm_linears_s'] * 1e3:.1f} ms a token, "
+                 f"{r['minillm_linears_s'] / step:.2f}x llama.cpp's whole decode step ({step * 1e3:.1f} ms)")
     lines.append(f"greedy tokens the same on both sides before the first difference: {r['greedy_tokens_agreed']} "
                  f"of {r['new_tokens']}")
     return "\n".join(lines)
