@@ -213,3 +213,17 @@ def test_stacked_projections_compute_exactly_what_the_separate_ones_do(quantizat
             for y, linear in zip(stacked, parts, strict=True):
                 separate = layer(linear, 32) if quantization == "int4" else layer(linear)
                 assert torch.equal(y, separate(x))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_rotating_the_stacked_q_and_k_in_place_is_rotating_each_apart(quantization):
+    from minillm.engine.model import apply_rope
+
+    model = load_model("tiny", device="cpu", weights="random", quantization=quantization)
+    attn, d = model.model.layers[0].self_attn, model.config.head_dim
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    cos, sin = model.rotary(torch.arange(3, 8), x.dtype)
+    q, k, v = attn.rotated_qkv(x, cos, sin)
+    apart_q, apart_k, apart_v = (y.reshape(5, -1, d) for y in attn.project(x))
+    assert torch.equal(q, apply_rope(apart_q, cos, sin)) and torch.equal(k, apply_rope(apart_k, cos, sin))
+    assert torch.equal(v, apart_v) and not torch.equal(q, apart_q)

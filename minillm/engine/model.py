@@ -90,10 +90,14 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), sin.to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """Rotate each head of ``x`` [T, heads, d] by its token's angles (the half-split layout of HF):
-    ``x * cos + (-x2, x1) * sin``, where ``(x2, x1)`` is ``x`` rolled by half a head."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+    ``x * cos + (-x2, x1) * sin``, where ``(x2, x1)`` is ``x`` rolled by half a head; ``in_place``:
+    into ``x`` itself (the roll its one copy)."""
+    rolled = x.roll(x.shape[-1] // 2, dims=-1)
+    if in_place:
+        return x.mul_(cos).addcmul_(rolled, signed_sin)
+    return torch.addcmul(x * cos, rolled, signed_sin)
 
 
 class Attention(nn.Module):
@@ -111,6 +115,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.sizes = [config.q_size, config.kv_size, config.kv_size]
+        self.heads = [config.num_heads, config.num_kv_heads, config.num_kv_heads]
         self.qkv_proj = None  # q_proj, k_proj and v_proj stacked into one (minillm.engine.quantization)
 
     def project(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -119,12 +124,23 @@ class Attention(nn.Module):
             return self.qkv_proj(x).split(self.sizes, dim=-1)
         return [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
 
-    def forward(self, x, cos, sin, attn: AttentionMetadata, k_cache, v_cache, backend: str):
+    def rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q and k rotated by RoPE (normalized first in a qk-norm model) and v, ``[T, heads, d]`` each.
+        When quantization stacked the projections (and there is no qk-norm), q and k sit side by
+        side in the stacked output, which nothing else holds: one RoPE call rotates both, in place."""
         tokens = x.shape[0]
+        if self.qkv_proj is not None and self.q_norm is None:
+            qkv = self.qkv_proj(x).view(tokens, -1, self.head_dim)
+            apply_rope(qkv[:, :-self.heads[2]], cos, sin, in_place=True)
+            return qkv.split(self.heads, dim=1)
         q, k, v = (y.view(tokens, -1, self.head_dim) for y in self.project(x))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, attn: AttentionMetadata, k_cache, v_cache, backend: str):
+        tokens = x.shape[0]
+        q, k, v = self.rotated_qkv(x, cos, sin)
         store_kv(k, v, k_cache, v_cache, attn.slot_mapping, backend=backend)
         if attn.max_query_len == 1:
             out = paged_decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,

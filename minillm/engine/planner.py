@@ -71,18 +71,18 @@ def activation_estimate(cfg: ModelConfig, num_tokens: int, num_sampled_rows: int
     The largest of three moments of the step, each counting what is alive at once. In a layer, the
     caller still holds the layer's input ``[T, h]`` and the forward holds RoPE's cos and sin
     ``[T, d]`` each. Attention adds the normed input and q/k/v, then either RoPE's three copies of q
-    while it rotates q or, in a qk-norm model (Qwen3), RMSNorm's copies of q while it normalizes q
-    (the float32 result of a 16-bit q, its float32 copy gone by then, then the result in the
-    model's dtype and the weighted output). The MLP adds the residual after attention, the normed input and ``[T, I]``
-    three times (silu(gate), up, their product); an MoE layer, at most (one expert gets every
-    token), holds instead of the three ``[T, I]`` its output accumulated over the experts and an
-    expert's gathered rows ``[T, h]``, the router's float32 probabilities ``[T, E]``,
-    ``ROUTED_PAIR_BYTES`` per (token, expert) pair, and the larger of the expert's three ``[T, I]``
-    and its output beside that output weighted in float32. Sampling: the final hidden states and the
-    sampler's peak over ``[R, V]`` logits (``sampler_peak_bytes``); the rows that score prompt
-    tokens (prompt logprobs) come before, at most R at a time (their float32 logits and log-softmax,
-    8 bytes a logit), under that peak. Attention is assumed fused (no ``[T, T]`` scores), as the
-    GPU kernels are.
+    while it rotates q (a quantized model rotates q and k in place, with one copy: less) or, in a
+    qk-norm model (Qwen3), RMSNorm's copies of q while it normalizes q (the float32 result of a
+    16-bit q, its float32 copy gone by then, then the result in the model's dtype and the weighted
+    output). The MLP adds the residual after attention, the normed input and ``[T, I]`` three times
+    (silu(gate), up, their product); an MoE layer, at most (one expert gets every token), holds
+    instead of the three ``[T, I]`` its output accumulated over the experts and an expert's gathered
+    rows ``[T, h]``, the router's float32 probabilities ``[T, E]``, ``ROUTED_PAIR_BYTES`` per
+    (token, expert) pair, and the larger of the expert's three ``[T, I]`` and its output beside that
+    output weighted in float32. Sampling: the final hidden states and the sampler's peak over
+    ``[R, V]`` logits (``sampler_peak_bytes``); the rows that score prompt tokens (prompt logprobs)
+    come before, at most R at a time (their float32 logits and log-softmax, 8 bytes a logit), under
+    that peak. Attention is assumed fused (no ``[T, T]`` scores), as the GPU kernels are.
     """
     t, h, d, b = num_tokens, cfg.hidden_size, cfg.head_dim, torch_dtype(dtype).itemsize
     q, kv = cfg.q_size, cfg.kv_size
