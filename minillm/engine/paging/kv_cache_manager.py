@@ -21,6 +21,7 @@ from minillm.engine.paging.block_pool import BlockPool
 from minillm.engine.paging.hash_index import HashPrefixIndex
 from minillm.engine.paging.radix_index import RadixPrefixIndex
 from minillm.engine.paging.prefix_index import PrefixIndex
+from minillm.engine.units import ceil_div
 
 MIN_TABLE_ROWS = 64  # rows of the block-table array at first; it doubles when more requests hold blocks
 
@@ -50,7 +51,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.table_width = -(-max_model_len // block_size) if max_model_len else num_blocks
+        self.table_width = ceil_div(max_model_len, block_size) if max_model_len else num_blocks
         self.tables = array("i", bytes(4 * MIN_TABLE_ROWS * self.table_width))  # rows of table_width int32
         self._free_rows = list(range(MIN_TABLE_ROWS - 1, -1, -1))
         index_class = HashPrefixIndex if prefix_index == "hash" else RadixPrefixIndex
@@ -124,11 +125,12 @@ class KVCacheManager:
         if request is not None and num_tokens <= len(request.blocks) * self.block_size:
             request.num_tokens = num_tokens  # room in its last block: the common decode step
             return True
-        num_new_blocks = -(-num_tokens // self.block_size) - (len(request.blocks) if request else len(prefix))
+        num_blocks = ceil_div(num_tokens, self.block_size)
+        num_new_blocks = num_blocks - (len(request.blocks) if request else len(prefix))
         revived = sum(1 for block in prefix if self.pool.ref_counts[block] == 0)  # leave the evictable ones
         if num_new_blocks + revived > self.num_free_blocks:
             return False
-        if -(-num_tokens // self.block_size) > self.table_width:
+        if num_blocks > self.table_width:
             raise ValueError(f"request {request_id!r}: {num_tokens} tokens need more than the "
                              f"{self.table_width} blocks a block table holds (max_model_len)")
         if request is None:
@@ -188,7 +190,7 @@ class KVCacheManager:
         if not request.num_committed_blocks * self.block_size <= num_tokens <= request.num_tokens:
             raise ValueError(f"request {request_id!r}: truncate to {num_tokens} tokens, outside "
                              f"[{request.num_committed_blocks * self.block_size}, {request.num_tokens}]")
-        keep = -(-num_tokens // self.block_size)
+        keep = ceil_div(num_tokens, self.block_size)
         self._release(request.blocks[keep:])
         del request.blocks[keep:]
         request.num_tokens = num_tokens
