@@ -1,16 +1,23 @@
-"""Shared fixtures (a server that is slow to start starts once), and how Triton runs: compiled
-on a GPU, under its interpreter without one.
+"""Shared fixtures (a server that is slow to start starts once), how Triton runs (compiled on a
+GPU, under its interpreter without one) and where minillm's cache goes.
 
 Triton reads TRITON_INTERPRET once, when it is first imported; conftest is imported before any
 test module (and so before anything imports minillm and, through it, Triton).
 """
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# What minillm derives from a model once (the GGUF's tokenizer) goes to a fresh folder, shared by
+# this run's tests and the servers they start, never to the user's cache.
+os.environ["MINILLM_CACHE"] = tempfile.mkdtemp(prefix="minillm-test-cache-")
+atexit.register(shutil.rmtree, os.environ["MINILLM_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

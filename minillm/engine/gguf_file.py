@@ -19,9 +19,13 @@ and minillm rotate its two halves. llama.cpp's converter therefore permutes the 
 """
 from __future__ import annotations
 
+import hashlib
 import mmap
+import os
 import re
+import shutil
 import struct
+import tempfile
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -80,7 +84,7 @@ class GGUFFile:
     """The metadata and tensor table of a ``.gguf`` file, read without touching the tensor data.
 
     ``metadata`` holds every key; string arrays (the vocabulary, the merges) are read as their
-    length only, unless named in ``string_arrays``.
+    length only, unless named in ``string_arrays``; number arrays (the token types) in one unpack.
     """
 
     def __init__(self, path: str | Path, string_arrays: tuple[str, ...] = ()):
@@ -97,6 +101,7 @@ class GGUFFile:
         for _ in range(kv_count):
             key = self._string()
             self.metadata[key] = self._value(self._scalar("<I"), key in string_arrays)
+        self._metadata_end = self._pos
         table = [self._tensor_entry() for _ in range(tensor_count)]
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         data_start = -(-self._pos // alignment) * alignment
@@ -119,6 +124,11 @@ class GGUFFile:
         if kind != ARRAY:
             return self._scalar(SCALAR_FORMATS[kind])
         item_kind, count = self._scalar("<I"), self._scalar("<Q")
+        if item_kind in SCALAR_FORMATS:
+            fmt = f"<{count}{SCALAR_FORMATS[item_kind][1]}"
+            values = struct.unpack_from(fmt, self._data, self._pos)
+            self._pos += struct.calcsize(fmt)
+            return list(values)
         if item_kind == STRING and not keep_strings:
             for _ in range(count):
                 length = self._scalar("<Q")
@@ -130,6 +140,10 @@ class GGUFFile:
         name = self._string()
         dims = [self._scalar("<Q") for _ in range(self._scalar("<I"))]
         return name, tuple(reversed(dims)), self._scalar("<I"), self._scalar("<Q")
+
+    def metadata_digest(self) -> str:
+        """A hash of the header and metadata bytes: the same for every copy of the same model."""
+        return hashlib.sha256(self._data[:self._metadata_end]).hexdigest()[:32]
 
     @property
     def architecture(self) -> str:
@@ -264,9 +278,43 @@ def gguf_tokenizer(gguf: GGUFFile):
     """The tokenizer (vocabulary, merges, special tokens, chat template) a GGUF's metadata
     describes, built by transformers as its own GGUF loading builds it; None when it has none.
     (``PreTrainedTokenizerFast`` directly: ``AutoTokenizer`` would first read the whole file again
-    with the ``gguf`` package to choose the class, which takes seconds.)"""
+    with the ``gguf`` package to choose the class, which takes seconds.)
+
+    Building it takes transformers a second or more (it reads the metadata again and converts the
+    vocabulary), so the result is saved under :func:`cache_dir`, keyed by the file's metadata and
+    transformers' version, and the next load reads those files instead."""
     if "tokenizer.ggml.tokens" not in gguf.metadata:
         return None
+    import transformers
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast.from_pretrained(gguf.path.parent, gguf_file=gguf.path.name)
+    saved = cache_dir() / "tokenizers" / f"{gguf.metadata_digest()}-transformers-{transformers.__version__}"
+    if (saved / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(saved)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.path.parent, gguf_file=gguf.path.name)
+    _save_into(tokenizer, saved)
+    return tokenizer
+
+
+def cache_dir() -> Path:
+    """Where minillm keeps what it derives from a model once: ``$MINILLM_CACHE``, else
+    ``$XDG_CACHE_HOME/minillm``, else ``~/.cache/minillm``."""
+    if os.environ.get("MINILLM_CACHE"):
+        return Path(os.environ["MINILLM_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minillm"
+
+
+def _save_into(tokenizer, folder: Path) -> None:
+    """Save into a fresh folder beside ``folder``, then rename it into place, so that no reader
+    ever sees half the files; a cache that cannot be written (or another process that got there
+    first) is left as it is."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        fresh = tempfile.mkdtemp(dir=folder.parent, prefix=".partial-")
+    except OSError:
+        return
+    try:
+        tokenizer.save_pretrained(fresh)
+        os.rename(fresh, folder)
+    except OSError:
+        shutil.rmtree(fresh, ignore_errors=True)
