@@ -240,6 +240,19 @@ def test_llamacpp_bench_needs_a_gguf_and_the_optional_package(monkeypatch, capsy
     assert "pip install llama-cpp-python" in capsys.readouterr().err
     assert main(["bench", "llamacpp", "--threads", "1", "--max-tokens", "1"]) == 2
     assert "new_tokens must be an int >= 2, got 1" in capsys.readouterr().err
+    assert main(["bench", "llamacpp", "--threads", "1", "--e2e-tokens", "-1"]) == 2
+    assert "e2e_tokens must be an int >= 0, got -1" in capsys.readouterr().err
+
+
+def test_the_end_to_end_row_times_the_users_command_in_a_fresh_process():
+    """minillm's side of ``bench llamacpp``'s end-to-end row: ``python -m minillm generate`` on the
+    real model, its answer cut at the tokens asked for (the chat prompt's greedy answer is longer)."""
+    from minillm.lab.bench_llamacpp import minillm_process
+
+    seconds, tokens = minillm_process("smollm2-135m", 3, 1, ["--quantization", "int4"])
+    assert tokens == 3 and seconds > 0
+    with pytest.raises(ValueError, match="(?s)failed: .*unknown model .no-such-model."):
+        minillm_process("no-such-model", 3, 1)
 
 
 @pytest.mark.parametrize("quantization", [None, "int4"])

@@ -7,7 +7,11 @@ the medians over the rounds give prefill tokens per second (the prompt's step, i
 sampled) and decode tokens per second (one step per token after it), and their ratios. Each round
 also times minillm's linear layers alone on one row (every matmul of the layers and the output
 layer, ``bench.time_linear_layers``): beside llama.cpp's whole decode step, it says how much of
-the gap is the matmul kernels and how much everything else minillm's step issues.
+the gap is the matmul kernels and how much everything else minillm's step issues. End to end,
+each round also starts one fresh process per side that answers the same chat prompt, greedy, up to
+``e2e_tokens`` tokens, as a user's command would: ``python -m minillm generate`` against
+llama-cpp-python's ``create_chat_completion``; their wall times (imports, loading, tokenizer,
+prefill, decode, exit) and their ratio.
 
 ``llama-cpp-python`` is optional and not a requirement of the book: it builds llama.cpp from
 source (``pip install llama-cpp-python``, minutes on a laptop), so this benchmark is not in CI.
@@ -15,7 +19,10 @@ source (``pip install llama-cpp-python``, minutes on a laptop), so this benchmar
 from __future__ import annotations
 
 import json
+import re
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -66,14 +73,53 @@ def _llama_round(llama, prompt: list[int], new_tokens: int) -> tuple[float, list
     return seconds[0], seconds[1:], tokens
 
 
+E2E_PROMPT = "Explain the KV cache in three sentences."
+LLAMA_CHAT = """import sys
+from llama_cpp import Llama
+path, tokens, threads, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+llama = Llama(path, n_threads=threads, n_threads_batch=threads, verbose=False)
+reply = llama.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=tokens, temperature=0.0)
+print(reply["choices"][0]["message"]["content"])
+print(reply["usage"]["completion_tokens"])
+"""
+
+
+def _timed_process(command: list[str]) -> tuple[float, subprocess.CompletedProcess]:
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode:
+        raise ValueError(f"{' '.join(command[:4])} ... failed: {done.stderr.strip()[-500:]}")
+    return seconds, done
+
+
+def minillm_process(model_name: str, tokens: int, threads: int, options: list[str] = ()) -> tuple[float, int]:
+    """(wall seconds, tokens answered) of ``python -m minillm generate`` answering
+    :data:`E2E_PROMPT` greedily, up to ``tokens`` tokens, in a fresh process; ``options``: more of
+    its command-line options (quantization)."""
+    seconds, done = _timed_process([sys.executable, "-m", "minillm", "generate", model_name, "--prompt", E2E_PROMPT,
+                                    "--max-tokens", str(tokens), "--temperature", "0", "--threads", str(threads),
+                                    *options])
+    return seconds, int(re.search(r"\[(\d+) tokens", done.stderr)[1])
+
+
+def llama_process(path, tokens: int, threads: int) -> tuple[float, int]:
+    """The same through llama-cpp-python's chat completion, in a fresh process."""
+    seconds, done = _timed_process([sys.executable, "-c", LLAMA_CHAT, str(path), str(tokens), str(threads), E2E_PROMPT])
+    return seconds, int(done.stdout.split()[-1])
+
+
 def bench_llamacpp(model_name: str = "smollm2-135m", device=None, dtype=None, quantization=None,
                    group_size: int = 32, kv_cache_dtype: str = "auto", prompt_len: int = 128, new_tokens: int = 64, rounds: int = 3,
-                   seed: int = 0) -> dict:
+                   e2e_tokens: int = 128, seed: int = 0) -> dict:
     """Prefill and decode tokens per second of minillm and llama.cpp on ``model_name``'s GGUF file,
-    ``rounds`` rounds interleaved, and minillm's over llama.cpp's."""
-    for name, value in (("prompt_len", prompt_len), ("new_tokens", new_tokens), ("rounds", rounds)):
-        if not isinstance(value, int) or value < (2 if name == "new_tokens" else 1):
-            raise ValueError(f"{name} must be an int >= {2 if name == 'new_tokens' else 1}, got {value!r}")
+    ``rounds`` rounds interleaved, and minillm's over llama.cpp's; with ``e2e_tokens`` (0: not),
+    the wall time of a fresh process per side answering a chat prompt."""
+    for name, value in (("prompt_len", prompt_len), ("new_tokens", new_tokens), ("rounds", rounds),
+                        ("e2e_tokens", e2e_tokens)):
+        least = {"new_tokens": 2, "e2e_tokens": 0}.get(name, 1)
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     path = resolve_checkpoint(model_name)
     if path is None or path.suffix != ".gguf":
         raise ValueError(f"{model_name}: bench llamacpp needs a .gguf file (or a preset that names one, "
@@ -93,7 +139,10 @@ def bench_llamacpp(model_name: str = "smollm2-135m", device=None, dtype=None, qu
     _llama_round(llama, prompt, 2)
     sides = {"minillm": (_minillm_round, llm), "llama.cpp": (_llama_round, llama)}
     prefill, decode, agree = {side: [] for side in sides}, {side: [] for side in sides}, []
-    linears = []
+    linears, e2e = [], {side: [] for side in sides}
+    options = [] if quantization is None else ["--quantization", quantization, "--group-size", str(group_size)]
+    options += [] if dtype is None else ["--dtype", str(dtype)]
+    options += [] if kv_cache_dtype == "auto" else ["--kv-cache-dtype", kv_cache_dtype]
     for _ in range(rounds):
         tokens = {}
         for side, (run, engine) in sides.items():
@@ -103,6 +152,9 @@ def bench_llamacpp(model_name: str = "smollm2-135m", device=None, dtype=None, qu
         linears.append(statistics.median(time_linear_layers(llm.model, 1, new_tokens)))
         same = [a == b for a, b in zip(tokens["minillm"], tokens["llama.cpp"])]
         agree.append(same.index(False) if False in same else len(same))
+        if e2e_tokens:
+            e2e["minillm"].append(minillm_process(model_name, e2e_tokens, threads, options))
+            e2e["llama.cpp"].append(llama_process(path, e2e_tokens, threads))
     result = {side: {"prefill_tokens_per_s": prompt_len / statistics.median(prefill[side]),
                      "decode_tokens_per_s": 1 / statistics.median(decode[side])} for side in sides}
     quant = "none" if quantization is None else (f"int4-g{group_size}" if quantization == "int4" else quantization)
@@ -112,7 +164,10 @@ def bench_llamacpp(model_name: str = "smollm2-135m", device=None, dtype=None, qu
             "decode_ratio": result["minillm"]["decode_tokens_per_s"] / result["llama.cpp"]["decode_tokens_per_s"],
             "prefill_ratio": result["minillm"]["prefill_tokens_per_s"] / result["llama.cpp"]["prefill_tokens_per_s"],
             "minillm_linears_s": statistics.median(linears),
-            "greedy_tokens_agreed": min(agree)}
+            "greedy_tokens_agreed": min(agree), "e2e_tokens": e2e_tokens,
+            "end_to_end": {side: {"wall_s": statistics.median(s for s, _ in runs),
+                                  "tokens": statistics.median(n for _, n in runs)}
+                           for side, runs in e2e.items() if runs}}
 
 
 def format_llamacpp(r: dict) -> str:
@@ -128,6 +183,12 @@ def format_llamacpp(r: dict) -> str:
                  f"{r['minillm_linears_s'] / step:.2f}x llama.cpp's whole decode step ({step * 1e3:.1f} ms)")
     lines.append(f"greedy tokens the same on both sides before the first difference: {r['greedy_tokens_agreed']} "
                  f"of {r['new_tokens']}")
+    if r["end_to_end"]:
+        ours, theirs = r["end_to_end"]["minillm"], r["end_to_end"]["llama.cpp"]
+        lines.append(f"end to end, a fresh process answering {E2E_PROMPT!r} (up to {r['e2e_tokens']} tokens): "
+                     f"minillm {ours['wall_s']:.2f} s ({ours['tokens']:g} tokens), llama.cpp "
+                     f"{theirs['wall_s']:.2f} s ({theirs['tokens']:g} tokens): "
+                     f"{ours['wall_s'] / theirs['wall_s']:.2f}x its wall time")
     return "\n".join(lines)
 
 
@@ -139,6 +200,9 @@ def add_cli(bench_commands) -> None:
     cmd.add_argument("--prompt-len", type=int, default=128)
     cmd.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
     cmd.add_argument("--rounds", type=int, default=3, help="rounds, each side once per round (default 3)")
+    cmd.add_argument("--e2e-tokens", type=int, default=128,
+                     help="end to end: a fresh process per side answers a chat prompt with up to this "
+                          "many tokens, each round (default 128; 0: skip)")
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
     cmd.set_defaults(func=run_cli)
 
@@ -146,4 +210,4 @@ def add_cli(bench_commands) -> None:
 def run_cli(args) -> int:
     return report(args, "llamacpp", {}, lambda device: bench_llamacpp(
         args.model, device, args.dtype, args.quantization, args.group_size, args.kv_cache_dtype, args.prompt_len, args.max_tokens,
-        args.rounds), json.dumps if args.json else format_llamacpp)
+        args.rounds, args.e2e_tokens), json.dumps if args.json else format_llamacpp)
