@@ -77,7 +77,7 @@ E2E_PROMPT = "Explain the KV cache in three sentences."
 LLAMA_CHAT = """import sys
 from llama_cpp import Llama
 path, tokens, threads, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-llama = Llama(path, n_threads=threads, n_threads_batch=threads, verbose=False)
+llama = Llama(path, n_ctx=tokens + 512, n_threads=threads, n_threads_batch=threads, verbose=False)
 reply = llama.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=tokens, temperature=0.0)
 print(reply["choices"][0]["message"]["content"])
 print(reply["usage"]["completion_tokens"])
@@ -96,7 +96,7 @@ def _timed_process(command: list[str]) -> tuple[float, subprocess.CompletedProce
 def minillm_process(model_name: str, tokens: int, threads: int, options: list[str] = ()) -> tuple[float, int]:
     """(wall seconds, tokens answered) of ``python -m minillm generate`` answering
     :data:`E2E_PROMPT` greedily, up to ``tokens`` tokens, in a fresh process; ``options``: more of
-    its command-line options (quantization)."""
+    its command-line options (device, dtype, quantization)."""
     seconds, done = _timed_process([sys.executable, "-m", "minillm", "generate", model_name, "--prompt", E2E_PROMPT,
                                     "--max-tokens", str(tokens), "--temperature", "0", "--threads", str(threads),
                                     *options])
@@ -104,7 +104,8 @@ def minillm_process(model_name: str, tokens: int, threads: int, options: list[st
 
 
 def llama_process(path, tokens: int, threads: int) -> tuple[float, int]:
-    """The same through llama-cpp-python's chat completion, in a fresh process."""
+    """The same through llama-cpp-python's chat completion, in a fresh process (its context room
+    for the short prompt and ``tokens`` more)."""
     seconds, done = _timed_process([sys.executable, "-c", LLAMA_CHAT, str(path), str(tokens), str(threads), E2E_PROMPT])
     return seconds, int(done.stdout.split()[-1])
 
@@ -140,9 +141,9 @@ def bench_llamacpp(model_name: str = "smollm2-135m", device=None, dtype=None, qu
     sides = {"minillm": (_minillm_round, llm), "llama.cpp": (_llama_round, llama)}
     prefill, decode, agree = {side: [] for side in sides}, {side: [] for side in sides}, []
     linears, e2e = [], {side: [] for side in sides}
-    options = [] if quantization is None else ["--quantization", quantization, "--group-size", str(group_size)]
-    options += [] if dtype is None else ["--dtype", str(dtype)]
-    options += [] if kv_cache_dtype == "auto" else ["--kv-cache-dtype", kv_cache_dtype]
+    options = ["--device", llm.model.device.type, "--dtype", str(llm.model.dtype).removeprefix("torch."),
+               "--kv-cache-dtype", kv_cache_dtype]
+    options += [] if quantization is None else ["--quantization", quantization, "--group-size", str(group_size)]
     for _ in range(rounds):
         tokens = {}
         for side, (run, engine) in sides.items():
