@@ -63,7 +63,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 ``[N, K]``, scale float32 ``[N]``) with ``weight ≈ scale[:, None] * q``."""
     w = weight.float()
     scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
-    q = torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    q = (w / scale[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)  # one temporary
     return q, scale
 
 
@@ -77,7 +77,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     low = groups.amin(dim=-1).half()
     scale = ((groups.amax(dim=-1) - low.float()) / INT4_LEVELS).half()
     safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
-    q = torch.round((groups - low.float()[..., None]) / safe[..., None]).clamp(0, INT4_LEVELS)
+    q = (groups - low.float()[..., None]).div_(safe[..., None]).round_().clamp_(0, INT4_LEVELS)
     return q.to(torch.uint8).reshape(n, k), scale, low
 
 
