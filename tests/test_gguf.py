@@ -159,7 +159,7 @@ def test_tied_embeddings_when_the_file_has_no_output_tensor(tmp_path, tiny_hf):
 
 def test_bad_files_are_refused_before_anything_is_allocated(tmp_path, tiny_hf, monkeypatch):
     allocated = []
-    monkeypatch.setattr("minillm.engine.loader._allocate_weights", lambda *a: allocated.append(a))
+    monkeypatch.setattr("minillm.engine.loader._allocate_weights", lambda *a, **k: allocated.append(a))
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
         load_model(write_gguf(tmp_path / "a.gguf", tiny_hf, arch="gpt2"), device="cpu")
     with pytest.raises(ValueError, match=r"cannot dequantize.*Q5_0"):

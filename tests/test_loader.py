@@ -1,5 +1,6 @@
 """load_model (chapter 预填充): presets, random weights at a real shape, clear errors."""
 import json
+import sys
 
 import pytest
 import torch
@@ -31,6 +32,19 @@ def test_random_weights_at_the_preset_shape():
     assert 0.018 < embed.std().item() < 0.022 and abs(embed.mean().item()) < 1e-3
     again = load_model("tiny", device="cpu", weights="random")
     assert torch.equal(again.lm_head.weight, model.lm_head.weight)  # seeded: repeatable
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="transparent huge pages are Linux's")
+def test_only_weights_that_stay_ask_for_huge_pages(monkeypatch):
+    """The full-precision buffer asks for 2 MiB pages when the model keeps it, not when
+    quantization replaces the weights and frees it right after."""
+    asked = []
+    monkeypatch.setattr("minillm.engine.loader._ask_for_huge_pages", lambda buffer: asked.append(buffer.nbytes))
+    model = load_model("tiny", device="cpu", weights="random")
+    assert asked == [model.model.embed_tokens.weight.untyped_storage().nbytes()]
+    asked.clear()
+    load_model("tiny", device="cpu", weights="random", quantization="int8")
+    assert asked == []
 
 
 def test_random_weights_from_a_config_with_tied_embeddings_and_dtype():

@@ -69,7 +69,7 @@ def load_model(model: str | Path | ModelConfig, device: torch.device | str | Non
         full = net if tp.size == 1 else Transformer(config)  # the names and shapes to check and cut
     if checkpoint is not None:
         _check_checkpoint(full, checkpoint.shapes(), source)
-    _allocate_weights(net.eval(), device, dtype)
+    _allocate_weights(net.eval(), device, dtype, huge_pages=quantization is None)
     with torch.no_grad():
         if checkpoint is not None:
             params = dict(net.named_parameters(remove_duplicate=False))
@@ -229,12 +229,15 @@ def _check_checkpoint(net: Transformer, shapes: dict[str, tuple[int, ...]], sour
                              f"the config says {tuple(expected[name].shape)}")
 
 
-def _allocate_weights(net: Transformer, device: torch.device, dtype: torch.dtype) -> None:
+def _allocate_weights(net: Transformer, device: torch.device, dtype: torch.dtype, huge_pages: bool = True) -> None:
     """Give every parameter of the meta-built model its memory: slices of one buffer on ``device``.
 
     One buffer, so that on a Linux CPU it can be backed by 2 MiB pages as a whole: a decode step
     streams every weight once, and with 4 KiB pages the TLB misses eat into the memory bandwidth.
     Each slice starts at a multiple of 64 elements. The values are left uninitialized.
+    ``huge_pages=False`` for weights about to be quantized: the buffer is freed once they are, and
+    the kernel's zeroing (and compacting) of 2 MiB pages on first touch would cost load time for
+    nothing.
     """
     params = list(net.named_parameters())  # a tied lm_head is listed once, as the embedding
     starts, end = [], 0
@@ -242,7 +245,7 @@ def _allocate_weights(net: Transformer, device: torch.device, dtype: torch.dtype
         starts.append(end)
         end += -(-p.numel() // 64) * 64
     buffer = torch.empty(end, dtype=dtype, device=device)
-    if device.type == "cpu" and sys.platform == "linux":
+    if huge_pages and device.type == "cpu" and sys.platform == "linux":
         _ask_for_huge_pages(buffer)
     for (name, p), start in zip(params, starts):
         module_name, _, attr = name.rpartition(".")
