@@ -44,12 +44,17 @@ def text_tokens(tokenizer, tokens: int) -> list[int]:
 
 
 @torch.inference_mode()
-def window_logits(model: Transformer, ids: list[int], kv_dtype: torch.dtype) -> torch.Tensor:
-    """float32 logits ``[len(ids), vocab]`` of one window, prefilled into a cache of ``kv_dtype``."""
+def window_hidden(model: Transformer, ids: list[int], kv_dtype: torch.dtype) -> torch.Tensor:
+    """The output layer's input ``[len(ids), hidden]`` (after the final norm) for one window,
+    prefilled into a cache of ``kv_dtype``."""
     cache = ContiguousKVCache(model.config, 1, len(ids), kv_dtype, model.device)
     positions, attn = cache.append([0], [len(ids)])
-    hidden = model(torch.tensor(ids, device=model.device), positions, attn, cache.layer_caches)
-    return model.compute_logits(hidden)
+    return model(torch.tensor(ids, device=model.device), positions, attn, cache.layer_caches)
+
+
+def window_logits(model: Transformer, ids: list[int], kv_dtype: torch.dtype) -> torch.Tensor:
+    """float32 logits ``[len(ids), vocab]`` of one window, prefilled into a cache of ``kv_dtype``."""
+    return model.compute_logits(window_hidden(model, ids, kv_dtype))
 
 
 def score(model: Transformer, ids: list[int], kv_cache: str = "auto", window: int = WINDOW,
