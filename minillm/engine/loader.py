@@ -81,7 +81,7 @@ def load_model(model: str | Path | ModelConfig, device: torch.device | str | Non
         quantize_model(net, quantization, group_size)
         _own_storage(net)
     net.quantization = None if quantization is None else (quantization, group_size)
-    net.tokenizer = _load_tokenizer(source) if tokenizer else None
+    net.tokenizer = _load_tokenizer(source, checkpoint) if tokenizer else None
     return net
 
 
@@ -291,11 +291,11 @@ def _init_random(net: Transformer, full: Transformer, device: torch.device) -> N
                 local[name].bias.zero_()
 
 
-def _load_tokenizer(source: Path | None):
-    """The checkpoint's transformers tokenizer (a folder's files, or a GGUF's metadata), or None
-    when it ships none (presets, bare configs)."""
+def _load_tokenizer(source: Path | None, checkpoint=None):
+    """The checkpoint's transformers tokenizer (a folder's files, or a GGUF's metadata, read once
+    with the weights when they were loaded), or None when it ships none (presets, bare configs)."""
     if source is not None and source.suffix == ".gguf":
-        return gguf_tokenizer(GGUFFile(source))
+        return gguf_tokenizer(checkpoint.file if isinstance(checkpoint, GGUFCheckpoint) else GGUFFile(source))
     if source is None or not any((source / name).is_file() for name in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
