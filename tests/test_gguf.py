@@ -14,6 +14,7 @@ from minillm import load_model
 from minillm.engine import config as config_module
 from minillm.engine.config import load_config, resolve_checkpoint
 from minillm.engine.gguf_file import GGUFFile, dequantize, unpermute_qk
+from minillm.engine.quantization import Int4Linear, quantize_model
 
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -39,9 +40,10 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{HF_TO_GGUF[module]}.{kind}"
 
 
-def write_gguf(path, hf: LlamaForCausalLM, matrix_type=Q.F32, arch="llama", extra=None, skip=()):
+def write_gguf(path, hf: LlamaForCausalLM, matrix_type=Q.F32, arch="llama", extra=None, skip=(), types=None):
     """The model as llama.cpp would convert it: metadata, q/k rows permuted, 2-D weights as
-    ``matrix_type`` (norms stay F32, as llama.cpp keeps them)."""
+    ``matrix_type`` or as ``types`` names them (GGUF name -> type; norms stay F32, as llama.cpp
+    keeps them)."""
     cfg = hf.config
     writer = GGUFWriter(path, arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -69,8 +71,9 @@ def write_gguf(path, hf: LlamaForCausalLM, matrix_type=Q.F32, arch="llama", extr
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
         if gguf_name(name) in skip:
             continue
-        if w.ndim == 2 and matrix_type != Q.F32:
-            writer.add_tensor(gguf_name(name), quants.quantize(w, matrix_type), raw_dtype=matrix_type)
+        kind = (types or {}).get(gguf_name(name), matrix_type)
+        if w.ndim == 2 and kind != Q.F32:
+            writer.add_tensor(gguf_name(name), quants.quantize(w, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name(name), w)
     writer.write_header_to_file()
@@ -149,6 +152,32 @@ def test_a_gguf_loads_as_transformers_loads_it(tmp_path, tiny_hf, kind):
         positions, attn = cache.append([0], [6])
         logits = model.compute_logits(model(ids[0], positions, attn, cache.layer_caches))
         torch.testing.assert_close(logits, tiny_hf(ids).logits[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("types", [{}, {"blk.0.attn_v.weight": Q.Q8_0, "blk.1.ffn_up.weight": Q.F32}],
+                         ids=["all-q4_1", "mixed-stacks"])
+def test_int4_takes_a_q4_1_files_blocks_as_stored(tmp_path, tiny_hf, monkeypatch, types):
+    """Quantizing a Q4_1 file to int4 in groups of 32 would round its weights back to the file's own
+    codes, d and m: the loader takes them as stored and dequantizes only the other tensors (and the
+    output layer, which becomes int8). The int4 layers are those of quantizing the dequantized
+    model, buffer for buffer, also where a stack mixes Q4_1 with other formats."""
+    path = write_gguf(tmp_path / "q4_1.gguf", tiny_hf, Q.Q4_1, types=types)
+    expected = quantize_model(load_model(path, device="cpu"), "int4", 32)
+    dequantized = []
+    read = GGUFFile.read
+    monkeypatch.setattr(GGUFFile, "read", lambda self, tensor: dequantized.append(tensor.name) or read(self, tensor))
+    model = load_model(path, device="cpu", quantization="int4")
+    linears = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    stored = {t.name for t in GGUFReader(path).tensors
+              if t.tensor_type == Q.Q4_1 and t.name.split(".")[-2] in linears}
+    assert sorted(dequantized) == sorted({t.name for t in GGUFReader(path).tensors} - stored)
+    buffers = dict(expected.named_buffers())
+    assert buffers.keys() == dict(model.named_buffers()).keys()
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, buffers[name]), name
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 4 * 2  # qkv, o, gate_up, down per layer
+    with pytest.raises(ValueError, match="not Q4_1"):
+        GGUFFile(path).read_q4_1(GGUFFile(path).tensors["output_norm.weight"])
 
 
 def test_tied_embeddings_when_the_file_has_no_output_tensor(tmp_path, tiny_hf):

@@ -4,7 +4,9 @@ A GGUF holds a whole model in one file: a header, metadata (key -> value: the mo
 tokenizer's vocabulary and merges, its chat template), a table of tensors (name, shape, type,
 offset) and then the tensor data. :class:`GGUFFile` reads the header, the metadata and the table
 with ``struct`` (pure Python, nothing of the data is read), :func:`model_fields` turns the metadata
-into the fields of a ``ModelConfig`` (``minillm.engine.config.load_config`` builds it), and :meth:`GGUFFile.read` dequantizes one tensor into float32:
+into the fields of a ``ModelConfig`` (``minillm.engine.config.load_config`` builds it), and
+:meth:`GGUFFile.read` dequantizes one tensor into float32 (:meth:`GGUFFile.read_q4_1` reads a Q4_1
+one as it is stored, which is already minillm's int4 in groups of 32):
 
 * F32, F16, BF16 hold plain values;
 * Q8_0: blocks of 32 int8 values ``q`` with one fp16 scale ``d``: ``w = d * q`` (34 bytes per 32);
@@ -153,8 +155,26 @@ class GGUFFile:
         """The tensor's values as a float32 CPU tensor of ``tensor.shape`` (dequantized)."""
         import torch
 
-        raw = torch.frombuffer(self._data, dtype=torch.uint8, count=tensor.nbytes, offset=tensor.offset)
-        return dequantize(raw, tensor.ggml_type).view(tensor.shape)
+        return dequantize(self._raw(tensor), tensor.ggml_type).view(tensor.shape)
+
+    def read_q4_1(self, tensor: GGUFTensor):
+        """A Q4_1 tensor ``[N, K]`` as stored: its codes (uint8 ``[N, K]`` in [0, 15]) and each
+        block's fp16 ``d`` and ``m`` (``[N, K / 32]`` each), with ``w = d * q + m``."""
+        import torch
+
+        if tensor.ggml_type != Q4_1:
+            raise ValueError(f"{tensor.name} is {tensor.type_name}, not Q4_1")
+        rows = tensor.shape[0]
+        blocks = self._raw(tensor).view(-1, BLOCK_BYTES[Q4_1])
+        packed = blocks[:, 4:]
+        codes = torch.cat((packed & 0x0F, packed >> 4), dim=1).view(rows, -1)
+        scale, minimum = (blocks[:, i:i + 2].view(torch.float16).view(rows, -1) for i in (0, 2))
+        return codes, scale, minimum
+
+    def _raw(self, tensor: GGUFTensor):
+        import torch
+
+        return torch.frombuffer(self._data, dtype=torch.uint8, count=tensor.nbytes, offset=tensor.offset)
 
 
 def dequantize(raw, ggml_type: int):
@@ -262,16 +282,29 @@ def checked_tensors(gguf: GGUFFile) -> dict[str, GGUFTensor]:
     return {hf_name(n): t for n, t in gguf.tensors.items()}
 
 
-def read_weights(gguf: GGUFFile, config):
-    """(Hugging Face name, float32 tensor) for every tensor, q and k rows back in Hugging Face's
-    order (``config``: the file's ``ModelConfig``, for its head counts)."""
+def read_weights(gguf: GGUFFile, config, skip=()):
+    """(Hugging Face name, float32 tensor) for every tensor but those named in ``skip``, q and k
+    rows back in Hugging Face's order (``config``: the file's ``ModelConfig``, for its head counts)."""
     for name, tensor in checked_tensors(gguf).items():
-        values = gguf.read(tensor)
-        if ".self_attn.q_proj." in name:
-            values = unpermute_qk(values, config.num_heads)
-        elif ".self_attn.k_proj." in name:
-            values = unpermute_qk(values, config.num_kv_heads)
-        yield name, values
+        if name not in skip:
+            yield name, hf_rows(name, gguf.read(tensor), config)
+
+
+def read_q4_1_weights(gguf: GGUFFile, config, names) -> dict:
+    """Hugging Face name -> (codes, d, m) of each tensor among ``names`` stored as Q4_1, as stored
+    (:meth:`GGUFFile.read_q4_1`), q and k rows back in Hugging Face's order."""
+    return {name: tuple(hf_rows(name, part, config) for part in gguf.read_q4_1(tensor))
+            for name, tensor in checked_tensors(gguf).items() if name in names and tensor.ggml_type == Q4_1}
+
+
+def hf_rows(name: str, rows, config):
+    """The rows of tensor ``name`` in Hugging Face's order: a query or key projection's unpermuted
+    (:func:`unpermute_qk`), any other's as they are."""
+    if ".self_attn.q_proj." in name:
+        return unpermute_qk(rows, config.num_heads)
+    if ".self_attn.k_proj." in name:
+        return unpermute_qk(rows, config.num_kv_heads)
+    return rows
 
 
 def gguf_tokenizer(gguf: GGUFFile):

@@ -2,13 +2,13 @@
 
 ``load_model`` accepts a Hugging Face folder (``config.json`` + ``model.safetensors``, or shards
 listed in ``model.safetensors.index.json``), a ``.gguf`` file (``minillm.engine.gguf_file``: config,
-dequantized weights and tokenizer from the one file), a preset name under ``data/models/`` (a
-config only, or ``smollm2-135m``: the real SmolLM2-135M-Instruct GGUF), a hub id (downloaded when
-online) or a ``ModelConfig``. The model is first built on the meta
-device, which allocates nothing; then all its weights get one buffer on the target device, and
-each checkpoint tensor is read straight onto that device. ``weights="random"`` fills the real
-shape with small random values instead, so an 8B-shaped model can be timed on a GPU without its
-checkpoint and without ever holding a copy in CPU memory.
+dequantized weights and tokenizer from the one file; for int4, its Q4_1 matrices as stored), a
+preset name under ``data/models/`` (a config only, or ``smollm2-135m``: the real
+SmolLM2-135M-Instruct GGUF), a hub id (downloaded when online) or a ``ModelConfig``. The model is
+first built on the meta device, which allocates nothing; then all its weights get one buffer on the
+target device, and each checkpoint tensor is read straight onto that device. ``weights="random"``
+fills the real shape with small random values instead, so an 8B-shaped model can be timed on a GPU
+without its checkpoint and without ever holding a copy in CPU memory.
 """
 from __future__ import annotations
 
@@ -24,10 +24,11 @@ from torch import nn
 
 from minillm.engine.config import ModelConfig, load_config, preset_names, resolve_checkpoint
 from minillm.engine.device import pick_device
-from minillm.engine.gguf_file import GGUFFile, checked_tensors, gguf_tokenizer, read_weights
+from minillm.engine.gguf_file import (BLOCK_SIZE, GGUFFile, checked_tensors, gguf_tokenizer, read_q4_1_weights,
+                                      read_weights)
 from minillm.engine.model import RMSNorm, Router, Transformer
 from minillm.engine.parallel import TensorParallel
-from minillm.engine.quantization import check_quantization, check_shapes, quantize_model
+from minillm.engine.quantization import OUTPUT_LAYER, check_quantization, check_shapes, quantize_model
 
 WEIGHT_CHOICES = ("auto", "random")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -70,15 +71,18 @@ def load_model(model: str | Path | ModelConfig, device: torch.device | str | Non
     if checkpoint is not None:
         _check_checkpoint(full, checkpoint.shapes(), source)
     _allocate_weights(net.eval(), device, dtype, huge_pages=quantization is None)
+    groups = {}  # the int4 linears' weights a checkpoint already stores as int4 groups
+    if checkpoint is not None and quantization == "int4" and tp.size == 1:
+        groups = checkpoint.int4_groups(_int4_weight_names(net), group_size, device)
     with torch.no_grad():
         if checkpoint is not None:
             params = dict(net.named_parameters(remove_duplicate=False))
-            for name, tensor in checkpoint.tensors(device):
+            for name, tensor in checkpoint.tensors(device, skip=groups):
                 params[name].copy_(tp.shard(name, tensor, config))
         else:
             _init_random(net, full, device)
     if quantization is not None:
-        quantize_model(net, quantization, group_size)
+        quantize_model(net, quantization, group_size, groups)
         _own_storage(net)
     net.quantization = None if quantization is None else (quantization, group_size)
     net.tokenizer = _load_tokenizer(source, checkpoint) if tokenizer else None
@@ -180,19 +184,24 @@ class SafetensorsCheckpoint:
                 shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
         return {name: shape for name, shape in shapes.items() if not name.endswith("rotary_emb.inv_freq")}
 
-    def tensors(self, device: torch.device):
-        """(name, tensor) for every tensor, read straight onto ``device``."""
+    def tensors(self, device: torch.device, skip=()):
+        """(name, tensor) for every tensor but those named in ``skip``, read straight onto ``device``."""
         from safetensors import safe_open
 
         for file in self.files:
             with safe_open(file, framework="pt", device=str(device)) as f:
                 for name in f.keys():
-                    if not name.endswith("rotary_emb.inv_freq"):
+                    if not name.endswith("rotary_emb.inv_freq") and name not in skip:
                         yield name, f.get_tensor(name)
+
+    def int4_groups(self, names, group_size: int, device: torch.device) -> dict:
+        """None of its tensors is stored as int4 groups."""
+        return {}
 
 
 class GGUFCheckpoint:
-    """A ``.gguf`` file's weights, dequantized to float32 one tensor at a time."""
+    """A ``.gguf`` file's weights, dequantized to float32 one tensor at a time; a Q4_1 tensor can
+    also be read as it is stored, which is already int4 in groups of 32 (``int4_groups``)."""
 
     def __init__(self, path: Path, config: ModelConfig):
         self.file, self.config = GGUFFile(path), config
@@ -201,8 +210,17 @@ class GGUFCheckpoint:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tensor.shape for name, tensor in self.entries.items()}
 
-    def tensors(self, device: torch.device):
-        return read_weights(self.file, self.config)
+    def tensors(self, device: torch.device, skip=()):
+        return read_weights(self.file, self.config, skip)
+
+    def int4_groups(self, names, group_size: int, device: torch.device) -> dict:
+        """Name -> (codes, scale, minimum) on ``device`` of the tensors among ``names`` that the file
+        stores as Q4_1, when ``group_size`` is its block's: the int4 quantization would round them back
+        to these very codes, so it takes them as they are, without dequantizing."""
+        if group_size != BLOCK_SIZE:
+            return {}
+        return {name: tuple(part.to(device) for part in stored)
+                for name, stored in read_q4_1_weights(self.file, self.config, names).items()}
 
 
 def _open_checkpoint(source: Path | None, config: ModelConfig):
@@ -252,6 +270,12 @@ def _allocate_weights(net: Transformer, device: torch.device, dtype: torch.dtype
         weights = buffer[start:start + p.numel()].view(p.shape)
         net.get_submodule(module_name).register_parameter(attr, nn.Parameter(weights, requires_grad=False))
     net.tie_weights()
+
+
+def _int4_weight_names(net: Transformer) -> set[str]:
+    """The weights of the linears that int4 quantization turns into int4 groups (all but the output layer)."""
+    return {f"{name}.weight" for name, module in net.named_modules()
+            if isinstance(module, nn.Linear) and name != OUTPUT_LAYER}
 
 
 def _own_storage(net: Transformer) -> None:

@@ -8,7 +8,8 @@ A decode step reads every weight once, so bytes per weight set its floor. Two fo
   ``w ≈ scale · q + min`` with ``q`` in [0, 16), ``scale = (max - min) / 15`` per group: half a
   byte per weight plus a scale and a minimum (two fp16, 4 bytes) per group, so 0.625 bytes per
   weight at group 32 and 0.53 at group 128. Weights that already sit on such a grid (a GGUF Q4_1
-  file's: ``w = d · q + m`` with fp16 ``d`` and ``m``) come back exactly. torch's CPU kernel wants
+  file's: ``w = d · q + m`` with fp16 ``d`` and ``m``) would come back exactly, so the loader hands
+  a Q4_1 file's codes, ``d`` and ``m`` over as they are stored (``groups``). torch's CPU kernel wants
   the form ``(q - 8) · scale + zero`` with bf16 ``scale`` and ``zero = min + 8 · scale``: on the
   CPU the parameters are rounded to bf16 once more.
 
@@ -128,11 +129,12 @@ class Int4Linear(nn.Module):
     """``y = x W^T + b`` with ``W`` stored as int4 codes in groups of ``group_size`` along the
     input, in the layout of its device's kernel: on a GPU two codes per byte and each group's
     fp16 scale and minimum (``[K / g, N, 2]``); on the CPU torch's packed layout and its bf16
-    ``(scale, min + 8 · scale)`` pairs."""
+    ``(scale, min + 8 · scale)`` pairs. ``groups``: the weights' (codes, scale, minimum) when they
+    are already int4 groups (``quantize_int4``'s form), taken instead of ``linear``'s values."""
 
-    def __init__(self, linear: nn.Linear, group_size: int):
+    def __init__(self, linear: nn.Linear, group_size: int, groups=None):
         super().__init__()
-        q, scale, low = quantize_int4(linear.weight.detach(), group_size)
+        q, scale, low = groups if groups is not None else quantize_int4(linear.weight.detach(), group_size)
         self.in_features, self.out_features, self.group_size = linear.in_features, linear.out_features, group_size
         self.kernel = "triton" if linear.weight.device.type == "cuda" else "cpu"
         if self.kernel == "cpu":
@@ -177,40 +179,62 @@ OUTPUT_LAYER = "lm_head"
 STACKS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def stack_linears(linears: list[nn.Linear]) -> nn.Linear:
-    """One linear over the same input whose output rows are those of ``linears``, in order."""
+def stack_linears(linears: list[nn.Linear], values: bool = True) -> nn.Linear:
+    """One linear over the same input whose output rows are those of ``linears``, in order;
+    ``values=False``: its weight left uninitialized (its values come from elsewhere)."""
     first = linears[0]
     stacked = nn.Linear(first.in_features, sum(lin.out_features for lin in linears),
                         bias=first.bias is not None, device="meta")
-    stacked.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
+    weight = (torch.cat([lin.weight for lin in linears]) if values else
+              torch.empty(stacked.weight.shape, dtype=first.weight.dtype, device=first.weight.device))
+    stacked.weight = nn.Parameter(weight, requires_grad=False)
     if first.bias is not None:
         stacked.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
     return stacked
 
 
-def quantize_model(model: nn.Module, quantization: str, group_size: int = 32) -> nn.Module:
+def quantize_model(model: nn.Module, quantization: str, group_size: int = 32, groups=None) -> nn.Module:
     """Replace every linear of the layers with its ``quantization`` twin and the output layer with
     its int8 one, in place (a tied output layer gets its own copy; the embedding table stays).
 
     The linears that read the same input are stacked first (``STACKS``: q, k and v; gate and up),
     so that a step runs one quantized kernel where it ran three (or two), converting its input to
     bf16 once. Both formats quantize each output row on its own, so the stacked rows are exactly
-    the separate ones'."""
+    the separate ones'. ``groups``: weight name -> (codes, scale, minimum) of the int4 linears whose
+    weights are already int4 groups of ``group_size`` (a Q4_1 GGUF's, as the loader read them):
+    taken as they are, their float values never read."""
     check_quantization(quantization, group_size)
-    for module in list(model.modules()):
-        for stacked_name, names in STACKS.items():
-            if getattr(module, stacked_name, False) is None:  # a stack slot this module leaves empty
-                setattr(module, stacked_name, stack_linears([getattr(module, name) for name in names]))
-                for name in names:
-                    delattr(module, name)
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    groups = dict(groups or {})
     with torch.no_grad():
+        for prefix, module in list(model.named_modules()):
+            for stacked_name, names in STACKS.items():
+                if getattr(module, stacked_name, False) is None:  # a stack slot this module leaves empty
+                    _stack(module, prefix, stacked_name, names, groups, group_size)
+        targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
         for name, linear in targets:
             parent_name, _, attr = name.rpartition(".")
             int4 = quantization == "int4" and name != OUTPUT_LAYER
             setattr(model.get_submodule(parent_name), attr,
-                    Int4Linear(linear, group_size) if int4 else Int8Linear(linear))
+                    Int4Linear(linear, group_size, groups.get(f"{name}.weight")) if int4 else Int8Linear(linear))
     return model
+
+
+def _stack(module: nn.Module, prefix: str, stacked_name: str, names: tuple[str, ...], groups: dict,
+           group_size: int) -> None:
+    """Stack ``module``'s linears ``names`` into ``stacked_name``. When ``groups`` holds all their
+    weights, the stack's groups are theirs row after row; when it holds only some (a file that
+    stores, say, v in another format), those are dequantized into their weights first."""
+    sources = [f"{prefix}.{name}.weight" for name in names]
+    stored = all(source in groups for source in sources)
+    if stored:
+        parts = zip(*(groups.pop(source) for source in sources))
+        groups[f"{prefix}.{stacked_name}.weight"] = tuple(torch.cat(part) for part in parts)
+    for name, source in zip(names, sources):
+        if source in groups:
+            getattr(module, name).weight.copy_(dequantize_int4(*groups.pop(source), group_size))
+    setattr(module, stacked_name, stack_linears([getattr(module, name) for name in names], values=not stored))
+    for name in names:
+        delattr(module, name)
 
 
 def warmup_quantized(model: nn.Module) -> None:
