@@ -171,13 +171,25 @@ def test_int4_takes_a_q4_1_files_blocks_as_stored(tmp_path, tiny_hf, monkeypatch
     stored = {t.name for t in GGUFReader(path).tensors
               if t.tensor_type == Q.Q4_1 and t.name.split(".")[-2] in linears}
     assert sorted(dequantized) == sorted({t.name for t in GGUFReader(path).tensors} - stored)
+    assert_same_buffers(model, expected)
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 4 * 2  # qkv, o, gate_up, down per layer
+    with pytest.raises(ValueError, match="not Q4_1"):
+        GGUFFile(path).read_q4_1(GGUFFile(path).tensors["output_norm.weight"])
+
+
+def test_smollm2s_q4_1_matrices_are_already_int4_groups():
+    """Every layer matrix of the real file is on the int4 grid (chapter 10 says so): quantizing its
+    dequantized weights in groups of 32 gives back the very buffers that loading it as stored gives."""
+    stored = load_model("smollm2-135m", device="cpu", quantization="int4", tokenizer=False)
+    requantized = quantize_model(load_model("smollm2-135m", device="cpu", tokenizer=False), "int4", 32)
+    assert_same_buffers(stored, requantized)
+
+
+def assert_same_buffers(model, expected):
     buffers = dict(expected.named_buffers())
     assert buffers.keys() == dict(model.named_buffers()).keys()
     for name, buffer in model.named_buffers():
         assert torch.equal(buffer, buffers[name]), name
-    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == 4 * 2  # qkv, o, gate_up, down per layer
-    with pytest.raises(ValueError, match="not Q4_1"):
-        GGUFFile(path).read_q4_1(GGUFFile(path).tensors["output_norm.weight"])
 
 
 def test_tied_embeddings_when_the_file_has_no_output_tensor(tmp_path, tiny_hf):
