@@ -167,7 +167,7 @@ class GGUFFile:
         rows = tensor.shape[0]
         blocks = self._raw(tensor).view(-1, BLOCK_BYTES[Q4_1])
         packed = blocks[:, 4:]
-        codes = torch.cat((packed & 0x0F, packed >> 4), dim=1).view(rows, -1)
+        codes = _nibbles(packed).view(rows, -1)
         scale, minimum = (blocks[:, i:i + 2].view(torch.float16).view(rows, -1) for i in (0, 2))
         return codes, scale, minimum
 
@@ -189,11 +189,19 @@ def dequantize(raw, ggml_type: int):
     if ggml_type == Q8_0:
         return (blocks[:, 2:].view(torch.int8).to(torch.float32) * scale).flatten()
     packed = blocks[:, 4:] if ggml_type == Q4_1 else blocks[:, 2:]
-    nibbles = torch.cat((packed & 0x0F, packed >> 4), dim=1)
+    nibbles = _nibbles(packed)
     if ggml_type == Q4_0:
         return (scale * (nibbles.to(torch.int8) - 8).to(torch.float32)).flatten()
     minimum = blocks[:, 2:4].view(torch.float16).to(torch.float32)
     return (scale * nibbles.to(torch.float32) + minimum).flatten()
+
+
+def _nibbles(packed):
+    """The 4-bit codes of blocks ``packed`` ``[blocks, 16]``, in ggml's order ``[blocks, 32]``:
+    the low nibbles of a block's bytes are its first 16 codes, the high nibbles the last 16."""
+    import torch
+
+    return torch.cat((packed & 0x0F, packed >> 4), dim=1)
 
 
 def unpermute_qk(weight, num_heads: int):
@@ -280,21 +288,6 @@ def checked_tensors(gguf: GGUFFile) -> dict[str, GGUFTensor]:
         raise ValueError(f"{gguf.path.name}: tensor types minillm cannot dequantize: {unsupported[:5]} "
                          f"(it reads {', '.join(TYPE_NAMES.values())})")
     return {hf_name(n): t for n, t in gguf.tensors.items()}
-
-
-def read_weights(gguf: GGUFFile, config, skip=()):
-    """(Hugging Face name, float32 tensor) for every tensor but those named in ``skip``, q and k
-    rows back in Hugging Face's order (``config``: the file's ``ModelConfig``, for its head counts)."""
-    for name, tensor in checked_tensors(gguf).items():
-        if name not in skip:
-            yield name, hf_rows(name, gguf.read(tensor), config)
-
-
-def read_q4_1_weights(gguf: GGUFFile, config, names) -> dict:
-    """Hugging Face name -> (codes, d, m) of each tensor among ``names`` stored as Q4_1, as stored
-    (:meth:`GGUFFile.read_q4_1`), q and k rows back in Hugging Face's order."""
-    return {name: tuple(hf_rows(name, part, config) for part in gguf.read_q4_1(tensor))
-            for name, tensor in checked_tensors(gguf).items() if name in names and tensor.ggml_type == Q4_1}
 
 
 def hf_rows(name: str, rows, config):

@@ -24,8 +24,7 @@ from torch import nn
 
 from minillm.engine.config import ModelConfig, load_config, preset_names, resolve_checkpoint
 from minillm.engine.device import pick_device
-from minillm.engine.gguf_file import (BLOCK_SIZE, GGUFFile, checked_tensors, gguf_tokenizer, read_q4_1_weights,
-                                      read_weights)
+from minillm.engine.gguf_file import BLOCK_SIZE, Q4_1, GGUFFile, checked_tensors, gguf_tokenizer, hf_rows
 from minillm.engine.model import RMSNorm, Router, Transformer
 from minillm.engine.parallel import TensorParallel
 from minillm.engine.quantization import OUTPUT_LAYER, check_quantization, check_shapes, quantize_model
@@ -211,7 +210,11 @@ class GGUFCheckpoint:
         return {name: tensor.shape for name, tensor in self.entries.items()}
 
     def tensors(self, device: torch.device, skip=()):
-        return read_weights(self.file, self.config, skip)
+        """(name, float32 tensor) of every tensor but those in ``skip``, q and k rows back in
+        Hugging Face's order."""
+        for name, tensor in self.entries.items():
+            if name not in skip:
+                yield name, hf_rows(name, self.file.read(tensor), self.config)
 
     def int4_groups(self, names, group_size: int, device: torch.device) -> dict:
         """Name -> (codes, scale, minimum) on ``device`` of the tensors among ``names`` that the file
@@ -219,8 +222,8 @@ class GGUFCheckpoint:
         to these very codes, so it takes them as they are, without dequantizing."""
         if group_size != BLOCK_SIZE:
             return {}
-        return {name: tuple(part.to(device) for part in stored)
-                for name, stored in read_q4_1_weights(self.file, self.config, names).items()}
+        return {name: tuple(hf_rows(name, part, self.config).to(device) for part in self.file.read_q4_1(tensor))
+                for name, tensor in self.entries.items() if name in names and tensor.ggml_type == Q4_1}
 
 
 def _open_checkpoint(source: Path | None, config: ModelConfig):
