@@ -88,7 +88,8 @@ def cmd_generate(args) -> int:
         llm = LLM(args.model, device=args.device, dtype=torch_dtype(args.dtype), weights=args.weights,
                   num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
                   quantization=args.quantization, group_size=args.group_size,
-                  kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
+                  kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
+                  compile_decode=bool(args.compile_decode))
         if args.token_ids is not None:
             prompt = args.token_ids
         elif args.raw or not getattr(llm.tokenizer, "chat_template", None):
@@ -160,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
     est.set_defaults(func=cmd_estimate)
     from minillm.engine.device import add_threads_option
-    from minillm.engine.engine_config import add_quantization_options
+    from minillm.engine.engine_config import add_compile_option, add_quantization_options
     from minillm.engine.loader import TORCH_DTYPES
 
     gen = commands.add_parser(
@@ -189,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, help="longest request (default: what the pool holds)")
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks that split every layer (default 1)")
     add_quantization_options(gen)
+    add_compile_option(gen)
     add_threads_option(gen)
     gen.set_defaults(func=cmd_generate)
     pln = commands.add_parser("plan", help="where a card's memory goes: weights, activations, KV blocks")

@@ -63,6 +63,28 @@ def test_serve_turns_prefix_caching_off_and_passes_it_to_the_engine():
     assert parser.parse_args(["serve", "tiny"]).enable_prefix_caching is None  # the engine's default
 
 
+def test_compile_decode_reaches_the_engine_from_generate_and_serve(capsys, monkeypatch):
+    """generate --compile-decode answers with the tokens of the eager command (the tiny model's
+    float32 scores are far from ties); serve passes the flag on only when it is given."""
+    from minillm.engine.decode_graph import CompiledDecode
+    from minillm.server.cli import ENGINE_OPTIONS
+
+    monkeypatch.setenv("MINILLM_CPU_KVCACHE_SPACE", "0.01")
+    steps, run = [], CompiledDecode.run
+    monkeypatch.setattr(CompiledDecode, "run", lambda *args: steps.append(1) or run(*args))
+    argv = ["generate", "tiny", "--weights", "random", "--token-ids", "5,6,7", "--max-tokens", "6",
+            "--temperature", "0"]
+    assert main(argv) == 0 and not steps
+    eager = capsys.readouterr().out.split()
+    assert main([*argv, "--compile-decode"]) == 0
+    assert capsys.readouterr().out.split() == eager
+    assert len(steps) == 1 + 5  # the warm-up step, then every decode step
+    assert "compile_decode" in ENGINE_OPTIONS
+    parser = build_parser()
+    assert parser.parse_args(["serve", "tiny", "--compile-decode"]).compile_decode is True
+    assert parser.parse_args(["serve", "tiny"]).compile_decode is None  # the engine's default
+
+
 @pytest.mark.parametrize("command", ["prefill", "decode", "paged-decode"])
 def test_each_bench_points_at_a_record_of_its_own_kind(command):
     text = run("bench", command, "--help").stdout

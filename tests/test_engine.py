@@ -417,6 +417,45 @@ def test_padded_decode_graphs_give_the_same_tokens():
     assert graph_sizes(20) == [1, 2, 4, 8, 16, 20] and graph_sizes(1) == [1]
 
 
+def test_a_compiled_decode_step_gives_the_eager_steps_tokens_and_compiles_once(monkeypatch):
+    """compile_decode: every decode step of one sequence runs the compiled graph, whose context
+    length is dynamic (blocks of 4 tokens: the tables widen every few steps and nothing recompiles);
+    steps of several sequences and prompts stay eager; the tokens are the eager engine's (float64,
+    where only the order of additions could differ)."""
+    from minillm.engine.decode_graph import CompiledDecode
+
+    prompts, params = mixed_workload(count=5, seed=3, max_tokens=30)
+    prompts, params = prompts + [[7]], params + [greedy(5)]  # a one-token prompt: a first context of 2
+    eager = LLM(tiny_model(), block_size=4, num_kv_blocks=256, enforce_eager=True)
+    compiled = LLM(tiny_model(), block_size=4, num_kv_blocks=256, compile_decode=True)
+    runs = Counter()
+    run = CompiledDecode.run
+
+    def counted(step, input_ids, positions, attn):
+        runs[attn.max_seq_len] += 1
+        return run(step, input_ids, positions, attn)
+
+    monkeypatch.setattr(CompiledDecode, "run", counted)
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    expected = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    one_at_a_time = [o.token_ids for prompt, p in zip(prompts, params)
+                     for o in compiled.generate([prompt], [p], use_tqdm=False)]
+    assert one_at_a_time == expected
+    assert sum(runs.values()) == sum(max(0, p.max_tokens - 1) for p in params)  # each decode step
+    assert max(runs) > 4 * 8 and min(runs) == 2  # contexts of many blocks, and one of two tokens
+    together = compiled.generate(prompts, params, use_tqdm=False)  # batched steps: eager
+    assert [o.token_ids for o in together] == expected
+
+
+def test_compile_decode_refuses_what_it_cannot_compile():
+    with pytest.raises(ValueError, match="compile_decode does not combine with int8"):
+        LLM(tiny_model(), num_kv_blocks=16, quantization="int8", compile_decode=True)
+    with pytest.raises(ValueError, match="fp8 KV cache"):
+        LLM(tiny_model(), num_kv_blocks=16, kv_cache_dtype="fp8", compile_decode=True)
+    with pytest.raises(ValueError, match="compile_decode must be a bool"):
+        LLM(tiny_model(), num_kv_blocks=16, compile_decode="yes")
+
+
 def test_a_padded_decode_graph_cuts_long_contexts_as_the_eager_step(monkeypatch):
     """A decode graph's inputs (the widest block table, padding rows) through the Triton kernels,
     run here by Triton's interpreter on an H100's SM count: the real rows' hidden states are the

@@ -8,7 +8,10 @@ copies the step's inputs into that graph's buffers and replays it. Padding rows 
 that nobody reads: their K/V slot is -1 (not stored) and their context is one token.
 
 Off CUDA there is nothing to capture; a :class:`DecodeGraph` then runs the model eagerly on the
-same padded buffers, which is how the CPU tests check the padding.
+same padded buffers, which is how the CPU tests check the padding. What a graph does there for
+launches, a compiler does for ops: :class:`CompiledDecode` hands one sequence's decode step to
+``torch.compile``, which fuses the norms, RoPE and residual adds into a few C++ loops and issues
+the rest without Python in between.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import bisect
 import torch
 
 from minillm.engine.attention_metadata import AttentionMetadata
+from minillm.engine.kernels.reference import attend
 from minillm.engine.model import Transformer
 from minillm.engine.paged_cache import PagedKVCache
 
@@ -85,3 +89,60 @@ class DecodeGraphs:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         size = self.sizes[bisect.bisect_left(self.sizes, len(input_ids))]
         return self.graphs[size].run(input_ids, positions, attn)
+
+
+class CompiledDecode:
+    """One sequence's decode step on the CPU, compiled by ``torch.compile`` (Inductor) once and
+    kept for every length: the context's length is the one dynamic size of the graph.
+
+    The step is the model's forward for one token (a dense model, one rank) up to the final norm;
+    the output layer stays outside, as in every step. Its attention differs from the reference in
+    one way that matters to a compiler: the new K and V are written into the whole pool at
+    (layer, k or v, block, offset), not into a view of one layer's cache, so that the compiled
+    graph writes them in place (a view of an input written inside the graph would make Inductor
+    copy the pool). It compiles when it is made, on a step of a two-token context in block 0
+    (slot 1 there gets the values of token 0, finite, which the next request in that block
+    overwrites before reading): a minute on a laptop core; Inductor keeps the result on disk, so
+    the next process takes seconds."""
+
+    def __init__(self, model: Transformer, kv_cache: PagedKVCache):
+        config = model.config
+        if kv_cache.device.type != "cpu" or config.is_moe or model.tp.size > 1:
+            raise ValueError(f"{config.name}: compile_decode is for a dense model on one CPU (a step on CUDA "
+                             f"replays a CUDA graph; an MoE step's shapes follow its routing)")
+        self.model, self.kv = model, kv_cache
+        self.step = torch.compile(self._step, fullgraph=True)
+        self.table = torch.zeros(kv_cache.manager.table_width, dtype=torch.int32)  # one width for every step
+        with torch.inference_mode():
+            self.run(*kv_cache.step_builder.build(self.table[None], [1], [1], kv_cache.block_size, [0]))
+
+    @staticmethod
+    def holds(batch: int, context: int) -> bool:
+        """One sequence, its context two tokens or more (a one-token prompt's step, a context of 1,
+        is a size the compiler would specialize on and compile again for)."""
+        return batch == 1 and context >= 2
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """Hidden state ``[1, hidden]`` of one sequence's next token."""
+        self.table[:attn.block_tables.shape[1]].copy_(attn.block_tables[0])
+        context = torch.arange(attn.max_seq_len)
+        torch._dynamo.mark_dynamic(context, 0)
+        return self.step(self.kv.kv, input_ids, positions, self.table, context)
+
+    def _step(self, pool, input_ids, positions, table, context):
+        net, block_size = self.model, pool.shape[3]
+        x = net.model.embed_tokens(input_ids)
+        cos, sin = net.rotary(positions, x.dtype)
+        slot = table[positions // block_size].long(), (positions % block_size).long()
+        past = table[context // block_size].long(), (context % block_size).long()
+        for i, layer in enumerate(net.model.layers):
+            attention = layer.self_attn
+            q, k, v = attention.rotated_qkv(layer.input_layernorm(x), cos, sin)
+            which = torch.full_like(slot[0], i)
+            pool.index_put_((which, torch.zeros_like(which), *slot), k)
+            pool.index_put_((which, torch.ones_like(which), *slot), v)
+            keys, values = (pool[i, kind][past][None].transpose(1, 2) for kind in (0, 1))
+            out = attend(q[:, :, None, :], keys, values, attention.scale)
+            x = x + attention.o_proj(out.reshape(1, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return net.model.norm(x)

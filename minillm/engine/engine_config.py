@@ -138,6 +138,7 @@ class EngineConfig:
     scheduling: str = "continuous"  # or "static", the baseline of chapter 调度
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batches to capture; None: 1, 2, 4, 8, 16... on CUDA
+    compile_decode: bool = False  # CPU: one sequence's decode steps through torch.compile (the first compiles)
     quantization: str | None = None  # "int8" or "int4": weight-only, applied when the model is loaded
     group_size: int = 32  # int4's group along the input dimension (32 or 128)
     kv_cache_dtype: str = "auto"  # "fp8": the paged cache holds e4m3 keys and values (vLLM's name)
@@ -167,7 +168,7 @@ class EngineConfig:
             object.__setattr__(self, "cuda_graph_sizes", tuple(self.cuda_graph_sizes))
             for size in self.cuda_graph_sizes:
                 check_positive_int("cuda_graph_sizes (each)", size)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "compile_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         check_choice("prefix_index", self.prefix_index, PREFIX_INDEXES)
@@ -176,12 +177,16 @@ class EngineConfig:
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("group_size", self.group_size, GROUP_SIZES)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.compile_decode and (self.quantization == "int8" or self.kv_cache_dtype == "fp8"):
+            raise ValueError("compile_decode does not combine with int8 (Inductor, in torch 2.13, cannot lower "
+                             "torch's int8 weight-only kernel) or an fp8 KV cache: use int4 or none, and kv_cache_dtype='auto'")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         if self.tensor_parallel_size > 1:
             unsupported = [name for name, on in (("quantization", self.quantization is not None),
                                                  ("speculative_config", self.speculative_config is not None),
-                                                 ("cuda_graph_sizes", bool(self.cuda_graph_sizes))) if on]
+                                                 ("cuda_graph_sizes", bool(self.cuda_graph_sizes)),
+                                                 ("compile_decode", self.compile_decode)) if on]
             if unsupported:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not combine with "
                                  f"{', '.join(unsupported)} in minillm: use tensor_parallel_size=1 for them")
@@ -246,3 +251,10 @@ def add_quantization_options(command) -> None:
                          help="int4 groups along the input dimension (default 32)")
     command.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                          help="fp8: keys and values in e4m3, one byte each (default: the model's dtype)")
+
+
+def add_compile_option(command) -> None:
+    """``--compile-decode`` on an argparse command that runs the engine."""
+    command.add_argument("--compile-decode", action="store_true", default=None,
+                         help="CPU: compile one sequence's decode step with torch.compile (the first run "
+                              "compiles for about a minute; later runs read Inductor's cache)")

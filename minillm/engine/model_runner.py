@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.engine.decode_graph import DecodeGraphs, graph_sizes
+from minillm.engine.decode_graph import CompiledDecode, DecodeGraphs, graph_sizes
 from minillm.engine.engine_config import EngineConfig
 from minillm.engine.kernels import warmup
 from minillm.engine.model import Transformer
@@ -37,7 +37,8 @@ class ModelRunner:
     Decode graphs: ``config.cuda_graph_sizes`` if given (off CUDA they run eagerly on the same padded
     inputs), else vLLM's ladder up to ``max_num_seqs`` on CUDA; none with ``enforce_eager`` or under
     tensor parallelism, where ``workers`` (``minillm.engine.workers.Workers``) get each step's
-    inputs by broadcast and run the same forward on their shards."""
+    inputs by broadcast and run the same forward on their shards. With ``config.compile_decode``
+    (the CPU) a decode step of one sequence runs compiled (``CompiledDecode``)."""
 
     def __init__(self, model: Transformer, kv_cache: PagedKVCache, config: EngineConfig, workers=None):
         self.model = model
@@ -59,6 +60,7 @@ class ModelRunner:
             sizes = (graph_sizes(config.max_num_seqs) if self.device.type == "cuda" and not moe_on_cuda
                      and workers is None else [])
         self.decode_graphs = DecodeGraphs(model, kv_cache, [] if config.enforce_eager else list(sizes))
+        self.compiled_decode = CompiledDecode(model, kv_cache) if config.compile_decode else None
         self.max_sampled_rows = config.max_sampled_rows  # also the most prompt rows scored at once
         spec = config.speculative_config
         self.draft = LayerDraft(model, kv_cache, spec) if spec is not None and spec.method == "draft_layers" else None
@@ -108,7 +110,10 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.broadcast_step(input_ids, attn, logit_rows, slices, output.blocks_to_swap_out,
                                         output.blocks_to_swap_in)
-        if attn.max_query_len == 1 and self.decode_graphs.holds(len(batch)):
+        compiled = self.compiled_decode
+        if attn.max_query_len == 1 and compiled is not None and compiled.holds(len(batch), attn.max_seq_len):
+            hidden = compiled.run(input_ids, positions, attn)
+        elif attn.max_query_len == 1 and self.decode_graphs.holds(len(batch)):
             hidden = self.decode_graphs.run(input_ids, positions, attn)
         else:
             hidden = self.model(input_ids, positions, attn, self.kv.layer_caches)

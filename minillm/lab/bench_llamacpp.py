@@ -28,7 +28,7 @@ import time
 import torch
 
 from minillm.engine.config import resolve_checkpoint
-from minillm.engine.engine_config import add_quantization_options
+from minillm.engine.engine_config import add_compile_option, add_quantization_options
 from minillm.engine.llm import LLM
 from minillm.engine.loader import torch_dtype
 from minillm.engine.sampling import SamplingParams
@@ -112,10 +112,11 @@ def llama_process(path, tokens: int, threads: int) -> tuple[float, int]:
 
 def bench_llamacpp(model_name: str = "smollm2-135m", device=None, dtype=None, quantization=None,
                    group_size: int = 32, kv_cache_dtype: str = "auto", prompt_len: int = 128, new_tokens: int = 64, rounds: int = 3,
-                   e2e_tokens: int = 128, seed: int = 0) -> dict:
+                   e2e_tokens: int = 128, seed: int = 0, compile_decode: bool = False) -> dict:
     """Prefill and decode tokens per second of minillm and llama.cpp on ``model_name``'s GGUF file,
     ``rounds`` rounds interleaved, and minillm's over llama.cpp's; with ``e2e_tokens`` (0: not),
-    the wall time of a fresh process per side answering a chat prompt."""
+    the wall time of a fresh process per side answering a chat prompt; ``compile_decode``: minillm's
+    decode steps compiled (``EngineConfig.compile_decode``; its warm-up round compiles)."""
     for name, value in (("prompt_len", prompt_len), ("new_tokens", new_tokens), ("rounds", rounds),
                         ("e2e_tokens", e2e_tokens)):
         least = {"new_tokens": 2, "e2e_tokens": 0}.get(name, 1)
@@ -131,7 +132,8 @@ def bench_llamacpp(model_name: str = "smollm2-135m", device=None, dtype=None, qu
     llm = LLM(model_name, device=device, dtype=torch_dtype(dtype), quantization=quantization,
               group_size=group_size, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=-(-context // 16),
               max_model_len=context, max_num_batched_tokens=context,  # the prompt in one step
-              enable_prefix_caching=False)  # each round computes the whole prompt, on both sides
+              enable_prefix_caching=False,  # each round computes the whole prompt, on both sides
+              compile_decode=compile_decode)
     llama = llama_cpp.Llama(str(path), n_ctx=context, n_batch=prompt_len, n_threads=threads,
                             n_threads_batch=threads, verbose=False)
     vocab = llm.model.config.vocab_size
@@ -144,6 +146,7 @@ def bench_llamacpp(model_name: str = "smollm2-135m", device=None, dtype=None, qu
     options = ["--device", llm.model.device.type, "--dtype", str(llm.model.dtype).removeprefix("torch."),
                "--kv-cache-dtype", kv_cache_dtype]
     options += [] if quantization is None else ["--quantization", quantization, "--group-size", str(group_size)]
+    options += ["--compile-decode"] if compile_decode else []
     for _ in range(rounds):
         tokens = {}
         for side, (run, engine) in sides.items():
@@ -160,7 +163,7 @@ def bench_llamacpp(model_name: str = "smollm2-135m", device=None, dtype=None, qu
                      "decode_tokens_per_s": 1 / statistics.median(decode[side])} for side in sides}
     quant = "none" if quantization is None else (f"int4-g{group_size}" if quantization == "int4" else quantization)
     return {"model": llm.model.config.name, "gguf": path.name, "dtype": str(llm.model.dtype).removeprefix("torch."),
-            "quantization": quant, "llama_cpp_version": llama_cpp.__version__, "cpu_threads": threads,
+            "quantization": quant, "compile_decode": compile_decode, "llama_cpp_version": llama_cpp.__version__, "cpu_threads": threads,
             "prompt_len": prompt_len, "new_tokens": new_tokens, "rounds": rounds, **result,
             "decode_ratio": result["minillm"]["decode_tokens_per_s"] / result["llama.cpp"]["decode_tokens_per_s"],
             "prefill_ratio": result["minillm"]["prefill_tokens_per_s"] / result["llama.cpp"]["prefill_tokens_per_s"],
@@ -172,7 +175,8 @@ def bench_llamacpp(model_name: str = "smollm2-135m", device=None, dtype=None, qu
 
 
 def format_llamacpp(r: dict) -> str:
-    lines = [f"{r['gguf']}: minillm ({r['dtype']}, quantization {r['quantization']}) beside llama.cpp "
+    compiled = ", decode compiled" if r["compile_decode"] else ""
+    lines = [f"{r['gguf']}: minillm ({r['dtype']}, quantization {r['quantization']}{compiled}) beside llama.cpp "
              f"(llama-cpp-python {r['llama_cpp_version']}), {r['cpu_threads']} CPU threads, prompt "
              f"{r['prompt_len']} tokens, {r['new_tokens']} new, {r['rounds']} rounds interleaved",
              f"{'':<14} {'minillm':>10} {'llama.cpp':>10} {'ratio':>7}"]
@@ -198,6 +202,7 @@ def add_cli(bench_commands) -> None:
                                                      "on the same GGUF: prefill and decode, interleaved")
     add_options(cmd, model="smollm2-135m", out=None)
     add_quantization_options(cmd)
+    add_compile_option(cmd)
     cmd.add_argument("--prompt-len", type=int, default=128)
     cmd.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
     cmd.add_argument("--rounds", type=int, default=3, help="rounds, each side once per round (default 3)")
@@ -211,4 +216,4 @@ def add_cli(bench_commands) -> None:
 def run_cli(args) -> int:
     return report(args, "llamacpp", {}, lambda device: bench_llamacpp(
         args.model, device, args.dtype, args.quantization, args.group_size, args.kv_cache_dtype, args.prompt_len, args.max_tokens,
-        args.rounds, args.e2e_tokens), json.dumps if args.json else format_llamacpp)
+        args.rounds, args.e2e_tokens, compile_decode=bool(args.compile_decode)), json.dumps if args.json else format_llamacpp)

@@ -11,12 +11,12 @@ import os
 import sys
 
 from minillm.engine.device import add_threads_option
-from minillm.engine.engine_config import add_quantization_options
+from minillm.engine.engine_config import add_compile_option, add_quantization_options
 
 ENGINE_OPTIONS = ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
                   "max_num_batched_tokens", "gpu_memory_utilization", "memory_limit",
                   "enable_chunked_prefill", "enable_prefix_caching", "quantization", "group_size", "kv_cache_dtype",
-                  "speculative_config", "tensor_parallel_size")
+                  "speculative_config", "tensor_parallel_size", "compile_decode")
 MAX_QUEUE = 1024  # requests that may wait for their first step
 SHUTDOWN_TIMEOUT_S = 10.0  # on SIGTERM/SIGINT, what in-flight requests get to finish
 
@@ -46,6 +46,7 @@ def add_cli(subparsers) -> None:
     cmd.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                      help="reuse the KV blocks of a prompt's cached prefix (default on)")
     add_quantization_options(cmd)
+    add_compile_option(cmd)
     add_threads_option(cmd)
     cmd.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
                      help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", '

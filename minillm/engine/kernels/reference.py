@@ -35,7 +35,7 @@ def _gather_context(cache, block_tables, length: int):
     return blocks.view(block_tables.shape[0], -1, *cache.shape[2:])[:, :length]
 
 
-def _attend(q, k, v, scale, mask=None, is_causal=False):
+def attend(q, k, v, scale, mask=None, is_causal=False):
     """Softmax attention of q ``[B, n_h, Lq, d]`` over k, v ``[B, n_kv, Lk, d]`` in >= float32."""
     dtype = torch.promote_types(q.dtype, torch.float32)
     out = F.scaled_dot_product_attention(*(t if t.dtype == dtype else t.to(dtype) for t in (q, k, v)),
@@ -58,7 +58,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, m
     if len(seq_lens) > 1:  # one sequence attends to all `length` positions: nothing to mask
         past_end = torch.arange(length, device=q.device) >= seq_lens[:, None]
         mask = ~past_end[:, None, None, :] if past_end.any() else None
-    out = _attend(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), scale, mask=mask)
+    out = attend(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), scale, mask=mask)
     return out[:, :, 0, :]
 
 
@@ -87,9 +87,9 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
         v = _gather_context(v_cache, block_tables[i:i + 1], seq_len).transpose(1, 2)
         q_i = q[start:end].transpose(0, 1)[None]
         if q_len == seq_len:  # no cached prefix: plain causal attention
-            o = _attend(q_i, k, v, scale, is_causal=True)
+            o = attend(q_i, k, v, scale, is_causal=True)
         else:  # the causal diagonal shifts right by the prefix length
             visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q_len)
-            o = _attend(q_i, k, v, scale, mask=visible)
+            o = attend(q_i, k, v, scale, mask=visible)
         out[start:end] = o[0].transpose(0, 1)
     return out
