@@ -436,10 +436,10 @@ def test_a_compiled_decode_step_gives_the_eager_steps_tokens_and_compiles_once(m
         return run(step, input_ids, positions, attn)
 
     monkeypatch.setattr(CompiledDecode, "run", counted)
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     expected = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
-    one_at_a_time = [o.token_ids for prompt, p in zip(prompts, params)
-                     for o in compiled.generate([prompt], [p], use_tqdm=False)]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        one_at_a_time = [o.token_ids for prompt, p in zip(prompts, params)
+                         for o in compiled.generate([prompt], [p], use_tqdm=False)]
     assert one_at_a_time == expected
     assert sum(runs.values()) == sum(max(0, p.max_tokens - 1) for p in params)  # each decode step
     assert max(runs) > 4 * 8 and min(runs) == 2  # contexts of many blocks, and one of two tokens

@@ -107,8 +107,8 @@ class CompiledDecode:
 
     def __init__(self, model: Transformer, kv_cache: PagedKVCache):
         config = model.config
-        if kv_cache.device.type != "cpu" or config.is_moe or model.tp.size > 1:
-            raise ValueError(f"{config.name}: compile_decode is for a dense model on one CPU (a step on CUDA "
+        if kv_cache.device.type != "cpu" or config.is_moe:  # (EngineConfig refuses it with tensor parallelism)
+            raise ValueError(f"{config.name}: compile_decode is for a dense model on the CPU (a step on CUDA "
                              f"replays a CUDA graph; an MoE step's shapes follow its routing)")
         self.model, self.kv = model, kv_cache
         self.step = torch.compile(self._step, fullgraph=True)
