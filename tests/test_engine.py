@@ -2,6 +2,7 @@
 never which. Greedy outputs in float64 on the CPU must equal one-request-at-a-time
 ``minillm.engine.generate`` under preemption (both modes), chunking, prefix hits, static batches and
 aborts, and every KV block must return to the pool."""
+import copy
 import functools
 import json
 import random
@@ -428,28 +429,53 @@ def test_a_compiled_decode_step_gives_the_eager_steps_tokens_and_compiles_once(m
     prompts, params = prompts + [[7]], params + [greedy(5)]  # a one-token prompt: a first context of 2
     eager = LLM(tiny_model(), block_size=4, num_kv_blocks=256, enforce_eager=True)
     compiled = LLM(tiny_model(), block_size=4, num_kv_blocks=256, compile_decode=True)
-    runs = Counter()
-    run = CompiledDecode.run
+    runs, logits = Counter(), []
+    run, output_layer = CompiledDecode.run, CompiledDecode.logits
 
     def counted(step, input_ids, positions, attn):
         runs[attn.max_seq_len] += 1
         return run(step, input_ids, positions, attn)
 
+    def counted_logits(step, hidden):
+        logits.append(len(hidden))
+        return output_layer(step, hidden)
+
     monkeypatch.setattr(CompiledDecode, "run", counted)
+    monkeypatch.setattr(CompiledDecode, "logits", counted_logits)
     expected = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     with torch._dynamo.config.patch(error_on_recompile=True):
         one_at_a_time = [o.token_ids for prompt, p in zip(prompts, params)
                          for o in compiled.generate([prompt], [p], use_tqdm=False)]
     assert one_at_a_time == expected
     assert sum(runs.values()) == sum(max(0, p.max_tokens - 1) for p in params)  # each decode step
+    assert logits == [1] * sum(p.max_tokens for p in params)  # and each prompt's last row
     assert max(runs) > 4 * 8 and min(runs) == 2  # contexts of many blocks, and one of two tokens
     together = compiled.generate(prompts, params, use_tqdm=False)  # batched steps: eager
     assert [o.token_ids for o in together] == expected
 
 
+def test_a_compiled_int8_output_layer_reads_its_rows_in_float32():
+    """Compiled, an int8 layer's one-row product is a fused loop over the int8 rows with float32
+    activations: the output layer's logits are the float64 product of its dequantized weights to
+    float32 rounding, where torch's eager kernel rounds the activations to bf16. The int8 engine's
+    compiled steps give the float64 engine's greedy tokens (its prompts run eagerly in both)."""
+    model = load_model(CONFIG, device="cpu", dtype=torch.float32, weights="random", quantization="int8")
+    compiled = LLM(model, block_size=4, num_kv_blocks=64, quantization="int8", compile_decode=True)
+    exact = LLM(copy.deepcopy(model).to(torch.float64), block_size=4, num_kv_blocks=64, quantization="int8")
+    hidden = torch.randn(1, CONFIG.hidden_size, generator=torch.Generator().manual_seed(0))
+    output_layer = model.lm_head
+    product = hidden.double() @ (output_layer.qweight.double() * output_layer.scale.double()[:, None]).t()
+    with torch.inference_mode():
+        errors = [(logits.double() - product).abs().max() / product.abs().max()
+                  for logits in (compiled.runner.compiled_decode.logits(hidden), model.compute_logits(hidden))]
+    assert errors[0] < 1e-6 < 1e-4 < errors[1]
+    prompts, _ = mixed_workload(count=5, seed=3)
+    params = greedy(30)
+    assert ([o.token_ids for p in prompts for o in compiled.generate([p], params, use_tqdm=False)]
+            == [o.token_ids for o in exact.generate(prompts, params, use_tqdm=False)])
+
+
 def test_compile_decode_refuses_what_it_cannot_compile():
-    with pytest.raises(ValueError, match="compile_decode does not combine with int8"):
-        LLM(tiny_model(), num_kv_blocks=16, quantization="int8", compile_decode=True)
     with pytest.raises(ValueError, match="fp8 KV cache"):
         LLM(tiny_model(), num_kv_blocks=16, kv_cache_dtype="fp8", compile_decode=True)
     with pytest.raises(ValueError, match="compile_decode must be a bool"):

@@ -11,7 +11,7 @@ Off CUDA there is nothing to capture; a :class:`DecodeGraph` then runs the model
 same padded buffers, which is how the CPU tests check the padding. What a graph does there for
 launches, a compiler does for ops: :class:`CompiledDecode` hands one sequence's decode step to
 ``torch.compile``, which fuses the norms, RoPE and residual adds into a few C++ loops and issues
-the rest without Python in between.
+the rest without Python in between (its output layer too).
 """
 from __future__ import annotations
 
@@ -96,11 +96,12 @@ class CompiledDecode:
     kept for every length: the context's length is the one dynamic size of the graph.
 
     The step is the model's forward for one token (a dense model, one rank) up to the final norm;
-    the output layer stays outside, as in every step. Its attention differs from the reference in
-    one way that matters to a compiler: the new K and V are written into the whole pool at
-    (layer, k or v, block, offset), not into a view of one layer's cache, so that the compiled
-    graph writes them in place (a view of an input written inside the graph would make Inductor
-    copy the pool). It compiles when it is made, on a step of a two-token context in block 0
+    the output layer is compiled on its own (:meth:`logits`), for any step that needs one row's
+    logits: an int8 output layer then reads its rows in one fused loop (``Int8Linear``), in float32.
+    The step's attention differs from the reference in one way that matters to a compiler: the new
+    K and V are written into the whole pool at (layer, k or v, block, offset), not into a view of
+    one layer's cache, so that the compiled graph writes them in place (a view of an input written
+    inside the graph would make Inductor copy the pool). Both compile when it is made, on a step of a two-token context in block 0
     (slot 1 there gets the values of token 0, finite, which the next request in that block
     overwrites before reading): a minute on a laptop core; Inductor keeps the result on disk, so
     the next process takes seconds."""
@@ -112,9 +113,14 @@ class CompiledDecode:
                              f"replays a CUDA graph; an MoE step's shapes follow its routing)")
         self.model, self.kv = model, kv_cache
         self.step = torch.compile(self._step, fullgraph=True)
+        self.output_layer = torch.compile(model.lm_head, fullgraph=True, dynamic=False)
         self.table = torch.zeros(kv_cache.manager.table_width, dtype=torch.int32)  # one width for every step
         with torch.inference_mode():
-            self.run(*kv_cache.step_builder.build(self.table[None], [1], [1], kv_cache.block_size, [0]))
+            self.logits(self.run(*kv_cache.step_builder.build(self.table[None], [1], [1], kv_cache.block_size, [0])))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[1, vocab]`` of one hidden state ``[1, hidden]``."""
+        return self.output_layer(hidden).float()
 
     @staticmethod
     def holds(batch: int, context: int) -> bool:

@@ -177,9 +177,8 @@ class EngineConfig:
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("group_size", self.group_size, GROUP_SIZES)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        if self.compile_decode and (self.quantization == "int8" or self.kv_cache_dtype == "fp8"):
-            raise ValueError("compile_decode does not combine with int8 (Inductor, in torch 2.13, cannot lower "
-                             "torch's int8 weight-only kernel) or an fp8 KV cache: use int4 or none, and kv_cache_dtype='auto'")
+        if self.compile_decode and self.kv_cache_dtype == "fp8":
+            raise ValueError("compile_decode does not combine with an fp8 KV cache: use kv_cache_dtype='auto'")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         if self.tensor_parallel_size > 1:

@@ -126,7 +126,8 @@ class ModelRunner:
             self._prompt_logprobs(scoring, hidden[:len(prompt_slices)])
         if not sampled_requests:
             return {}
-        raw = logits = self.model.compute_logits(hidden[-1])
+        compute_logits = compiled.logits if compiled is not None and len(hidden[-1]) == 1 else self.model.compute_logits
+        raw = logits = compute_logits(hidden[-1])
         rows = [(r, j) for r in sampled_requests for j in range(len(r.spec_token_ids) + 1)]
         params = [r.params for r, _ in rows]
         if any(len(r.output_token_ids) + j < r.params.min_tokens for r, j in rows):

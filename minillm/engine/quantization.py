@@ -23,7 +23,11 @@ its device has: on the CPU torch's weight-only kernels (``_weight_int4pack_mm_fo
 ``_weight_int8pack_mm``), which stream their bytes only with bf16 activations (with float32 ones
 they fall back to loops slower than a float32 matmul); on a GPU the Triton kernel of
 ``minillm.engine.kernels.triton_quant``, which dequantizes each tile in registers. In float64 (the
-parity tests) both compute with the dequantized weights, exactly.
+parity tests) both compute with the dequantized weights, exactly. Under ``torch.compile`` (a
+compiled decode step, ``decode_graph.CompiledDecode``) an int8 layer's product for one row is
+written as what it is, ``sum_i x[i] · q[o, i]`` times ``scale[o]``: Inductor fuses the int8 to
+float conversion into one loop over the int8 rows, which reads each weight once, in float32 (written
+eagerly, the same expression would build the float32 weights first).
 """
 from __future__ import annotations
 
@@ -118,6 +122,8 @@ class Int8Linear(nn.Module):
             y = int8_linear(rows, self.qweight, self.scale)
         elif x.dtype == torch.float64:  # exact, for the parity tests
             y = rows @ self.dequantized().to(x.dtype).t()
+        elif torch.compiler.is_compiling() and rows.shape[0] == 1:  # one pass over the int8 rows
+            y = (rows * self.qweight).sum(-1)[None] * self.scale
         else:
             y = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.qweight,
                                                    self.scale.to(torch.bfloat16)).to(x.dtype)
