@@ -1,7 +1,8 @@
 """minillm beside llama.cpp on the same GGUF file (chapter 解码: a small model on a laptop).
 
-``python -m minillm bench llamacpp``: one request at a time, the same prompt token ids, greedy, the
-same CPU threads on both sides (the thread policy's). Each round runs minillm's engine, then
+``python -m minillm bench llamacpp``: one request at a time, the same prompt token ids (the first
+``prompt_len`` tokens of ``bench quality``'s English text), greedy, the same CPU threads on both
+sides (the thread policy's). Each round runs minillm's engine, then
 llama.cpp (through ``llama-cpp-python``), so that a machine whose load drifts slows both alike;
 the medians over the rounds give prefill tokens per second (the prompt's step, its first token
 sampled) and decode tokens per second (one step per token after it), and their ratios. Each round
@@ -11,7 +12,10 @@ the gap is the matmul kernels and how much everything else minillm's step issues
 each round also starts one fresh process per side that answers the same chat prompt, greedy, up to
 ``e2e_tokens`` tokens, as a user's command would: ``python -m minillm generate`` against
 llama-cpp-python's ``create_chat_completion``; their wall times (imports, loading, tokenizer,
-prefill, decode, exit) and their ratio.
+prefill, decode, exit) and their ratio. The greedy tokens of the two sides are compared up to
+their first difference: both round differently (llama.cpp quantizes the activations to 8 bits;
+minillm's int4 kernel rounds them to bf16, its compiled output layer keeps float32), so a near
+tie can split them.
 
 ``llama-cpp-python`` is optional and not a requirement of the book: it builds llama.cpp from
 source (``pip install llama-cpp-python``, minutes on a laptop), so this benchmark is not in CI.
@@ -34,6 +38,7 @@ from minillm.engine.loader import torch_dtype
 from minillm.engine.sampling import SamplingParams
 from minillm.lab.bench import time_linear_layers
 from minillm.lab.bench_cli import add_options, report
+from minillm.lab.bench_quality import text_tokens
 
 
 def _llama_cpp():
@@ -112,7 +117,7 @@ def llama_process(path, tokens: int, threads: int) -> tuple[float, int]:
 
 def bench_llamacpp(model_name: str = "smollm2-135m", device=None, dtype=None, quantization=None,
                    group_size: int = 32, kv_cache_dtype: str = "auto", prompt_len: int = 128, new_tokens: int = 64, rounds: int = 3,
-                   e2e_tokens: int = 128, seed: int = 0, compile_decode: bool = False) -> dict:
+                   e2e_tokens: int = 128, compile_decode: bool = False) -> dict:
     """Prefill and decode tokens per second of minillm and llama.cpp on ``model_name``'s GGUF file,
     ``rounds`` rounds interleaved, and minillm's over llama.cpp's; with ``e2e_tokens`` (0: not),
     the wall time of a fresh process per side answering a chat prompt; ``compile_decode``: minillm's
@@ -136,8 +141,7 @@ def bench_llamacpp(model_name: str = "smollm2-135m", device=None, dtype=None, qu
               compile_decode=compile_decode)
     llama = llama_cpp.Llama(str(path), n_ctx=context, n_batch=prompt_len, n_threads=threads,
                             n_threads_batch=threads, verbose=False)
-    vocab = llm.model.config.vocab_size
-    prompt = torch.randint(vocab, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
+    prompt = text_tokens(llm.tokenizer, prompt_len)
     _minillm_round(llm, prompt, 2)  # warm-up, untimed
     _llama_round(llama, prompt, 2)
     sides = {"minillm": (_minillm_round, llm), "llama.cpp": (_llama_round, llama)}
