@@ -458,9 +458,11 @@ def test_a_compiled_int8_output_layer_reads_its_rows_in_float32():
     """Compiled, an int8 layer's one-row product is a fused loop over the int8 rows with float32
     activations: the output layer's logits are the float64 product of its dequantized weights to
     float32 rounding, where torch's eager kernel rounds the activations to bf16. The int8 engine's
-    compiled steps give the float64 engine's greedy tokens (its prompts run eagerly in both)."""
+    compiled steps give the float64 engine's greedy tokens (its prompts run eagerly in both), with
+    another model's compiled engine in the same process (each runs its own graphs, unguarded)."""
     model = load_model(CONFIG, device="cpu", dtype=torch.float32, weights="random", quantization="int8")
     compiled = LLM(model, block_size=4, num_kv_blocks=64, quantization="int8", compile_decode=True)
+    other = LLM(tiny_model(), block_size=4, num_kv_blocks=64, compile_decode=True)
     exact = LLM(copy.deepcopy(model).to(torch.float64), block_size=4, num_kv_blocks=64, quantization="int8")
     hidden = torch.randn(1, CONFIG.hidden_size, generator=torch.Generator().manual_seed(0))
     output_layer = model.lm_head
@@ -473,6 +475,8 @@ def test_a_compiled_int8_output_layer_reads_its_rows_in_float32():
     params = greedy(30)
     assert ([o.token_ids for p in prompts for o in compiled.generate([p], params, use_tqdm=False)]
             == [o.token_ids for o in exact.generate(prompts, params, use_tqdm=False)])
+    assert ([o.token_ids for p in prompts for o in other.generate([p], params, use_tqdm=False)]
+            == [reference(p, params) for p in prompts])
 
 
 def test_compile_decode_refuses_what_it_cannot_compile():

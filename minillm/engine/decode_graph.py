@@ -16,6 +16,7 @@ the rest without Python in between (its output layer too).
 from __future__ import annotations
 
 import bisect
+import types
 
 import torch
 
@@ -91,6 +92,13 @@ class DecodeGraphs:
         return self.graphs[size].run(input_ids, positions, attn)
 
 
+def own_code(function, instance):
+    """``function`` bound to ``instance`` through a copy of its code object. Dynamo keeps compiled
+    graphs per code object; called without guards, it would hand every instance the graph the
+    first one compiled (another model's shapes), so each instance compiles its own copy."""
+    return types.MethodType(types.FunctionType(function.__code__.replace(), function.__globals__), instance)
+
+
 class CompiledDecode:
     """One sequence's decode step on the CPU, compiled by ``torch.compile`` (Inductor) once and
     kept for every length: the context's length is the one dynamic size of the graph.
@@ -101,10 +109,14 @@ class CompiledDecode:
     The step's attention differs from the reference in one way that matters to a compiler: the new
     K and V are written into the whole pool at (layer, k or v, block, offset), not into a view of
     one layer's cache, so that the compiled graph writes them in place (a view of an input written
-    inside the graph would make Inductor copy the pool). Both compile when it is made, on a step of a two-token context in block 0
-    (slot 1 there gets the values of token 0, finite, which the next request in that block
-    overwrites before reading): a minute on a laptop core; Inductor keeps the result on disk, so
-    the next process takes seconds."""
+    inside the graph would make Inductor copy the pool). Inductor writes the code that calls the
+    kernels in C++ too (``cpp_wrapper``), and the calls skip Dynamo's guards, the checks of every
+    weight's shape and dtype that would otherwise run before each call: the runner calls only
+    when :meth:`holds`, and nothing the graph reads changes its shape or dtype afterwards. Both
+    compile when it is made, on a step of a two-token context in block 0 (slot 1 there gets the
+    values of token 0, finite, which the next request in that block overwrites before reading):
+    a minute or more on a laptop core; Inductor keeps the result on disk, so the next process
+    takes seconds."""
 
     def __init__(self, model: Transformer, kv_cache: PagedKVCache):
         config = model.config
@@ -112,9 +124,10 @@ class CompiledDecode:
             raise ValueError(f"{config.name}: compile_decode is for a dense model on the CPU (a step on CUDA "
                              f"replays a CUDA graph; an MoE step's shapes follow its routing)")
         self.model, self.kv = model, kv_cache
-        quiet = {"size_asserts": False, "alignment_asserts": False}  # ~600 Python checks a step, off
-        self.step = torch.compile(self._step, fullgraph=True, options=quiet)
-        self.output_layer = torch.compile(model.lm_head, fullgraph=True, dynamic=False, options=quiet)
+        options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}  # (vLLM skips them too)
+        self.step = torch.compile(own_code(CompiledDecode._step, self), fullgraph=True, options=options)
+        self.output_layer = torch.compile(own_code(CompiledDecode._logits, self), fullgraph=True, dynamic=False,
+                                          options=options)
         self.table = torch.zeros(kv_cache.manager.table_width, dtype=torch.int32)  # one width for every step
         with torch.inference_mode():
             self.logits(self.run(*kv_cache.step_builder.build(self.table[None], [1], [1], kv_cache.block_size, [0])))
@@ -122,6 +135,9 @@ class CompiledDecode:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[1, vocab]`` of one hidden state ``[1, hidden]``."""
         return self.output_layer(hidden).float()
+
+    def _logits(self, hidden):
+        return self.model.lm_head(hidden)
 
     @staticmethod
     def holds(batch: int, context: int) -> bool:
