@@ -465,8 +465,7 @@ def test_a_compiled_int8_output_layer_reads_its_rows_in_float32():
     other = LLM(tiny_model(), block_size=4, num_kv_blocks=64, compile_decode=True)
     exact = LLM(copy.deepcopy(model).to(torch.float64), block_size=4, num_kv_blocks=64, quantization="int8")
     hidden = torch.randn(1, CONFIG.hidden_size, generator=torch.Generator().manual_seed(0))
-    output_layer = model.lm_head
-    product = hidden.double() @ (output_layer.qweight.double() * output_layer.scale.double()[:, None]).t()
+    product = hidden.double() @ model.lm_head.dequantized().double().t()
     with torch.inference_mode():
         errors = [(logits.double() - product).abs().max() / product.abs().max()
                   for logits in (compiled.runner.compiled_decode.logits(hidden), model.compute_logits(hidden))]
