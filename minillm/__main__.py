@@ -84,7 +84,7 @@ def cmd_generate(args) -> int:
         raise CLIError("give exactly one of --prompt TEXT or --token-ids 1,2,3")
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.max_tokens, seed=args.seed)
+                                max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
         llm = LLM(args.model, device=args.device, dtype=torch_dtype(args.dtype), weights=args.weights,
                   num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
                   quantization=args.quantization, group_size=args.group_size,
@@ -181,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="go on past the model's end-of-sequence tokens: exactly --max-tokens tokens")
     gen.add_argument("--device", help="cpu or cuda (default: $MINILLM_DEVICE, else CUDA if present)")
     gen.add_argument("--dtype", choices=sorted(TORCH_DTYPES), help="default: the model's on CUDA, "
                                                                    "float32 on the CPU")

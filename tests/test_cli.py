@@ -53,6 +53,18 @@ def test_generate_prints_the_new_tokens(capsys, monkeypatch):
     assert len(first) == 4 and all(0 <= int(t) < 4096 for t in first)
 
 
+def test_generate_ignore_eos_answers_exactly_max_tokens(capsys):
+    """The real model's short greedy answer to "hi" stops at its end-of-sequence token;
+    --ignore-eos goes on past it to exactly --max-tokens tokens, the same answer first."""
+    argv = ["generate", "smollm2-135m", "--prompt", "hi", "--max-tokens", "40", "--quantization", "int4"]
+    assert main(argv) == 0
+    stopped = capsys.readouterr()
+    assert "finish=stop" in stopped.err and int(stopped.err.split("[")[-1].split()[0]) < 40
+    assert main([*argv, "--ignore-eos"]) == 0
+    longer = capsys.readouterr()
+    assert "[40 tokens, finish=length" in longer.err and longer.out.startswith(stopped.out.rstrip("\n"))
+
+
 def test_serve_turns_prefix_caching_off_and_passes_it_to_the_engine():
     from minillm.server.cli import ENGINE_OPTIONS
 

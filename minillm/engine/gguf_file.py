@@ -302,24 +302,31 @@ def hf_rows(name: str, rows, config):
 
 def gguf_tokenizer(gguf: GGUFFile):
     """The tokenizer (vocabulary, merges, special tokens, chat template) a GGUF's metadata
-    describes, built by transformers as its own GGUF loading builds it; None when it has none.
-    (``PreTrainedTokenizerFast`` directly: ``AutoTokenizer`` would first read the whole file again
-    with the ``gguf`` package to choose the class, which takes seconds.)
+    describes, as a :class:`~minillm.engine.tokenizer.Tokenizer`; None when it has none.
 
-    Building it takes transformers a second or more (it reads the metadata again and converts the
-    vocabulary), so the result is saved under :func:`cache_dir`, keyed by the file's metadata and
-    transformers' version, and the next load reads those files instead."""
+    transformers builds it the first time, as its own GGUF loading does (in a second or more: it
+    reads the metadata again and converts the vocabulary), and the result is saved under
+    :func:`cache_dir`, keyed by the file's metadata and transformers' version. Every later load
+    reads those files without importing transformers. (``PreTrainedTokenizerFast`` directly:
+    ``AutoTokenizer`` would first read the whole file again with the ``gguf`` package to choose
+    the class, which takes seconds.)"""
     if "tokenizer.ggml.tokens" not in gguf.metadata:
         return None
-    import transformers
+    from importlib.metadata import version
+
+    from minillm.engine.tokenizer import Tokenizer
+
+    saved = cache_dir() / "tokenizers" / f"{gguf.metadata_digest()}-transformers-{version('transformers')}"
+    if (saved / "tokenizer.json").is_file():
+        return Tokenizer(saved)
     from transformers import PreTrainedTokenizerFast
 
-    saved = cache_dir() / "tokenizers" / f"{gguf.metadata_digest()}-transformers-{transformers.__version__}"
-    if (saved / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(saved)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.path.parent, gguf_file=gguf.path.name)
-    _save_into(tokenizer, saved)
-    return tokenizer
+    built = PreTrainedTokenizerFast.from_pretrained(gguf.path.parent, gguf_file=gguf.path.name)
+    if _save_into(built, saved):
+        return Tokenizer(saved)
+    with tempfile.TemporaryDirectory() as scratch:  # a cache that cannot be written: read a copy
+        built.save_pretrained(scratch)
+        return Tokenizer(scratch)
 
 
 def cache_dir() -> Path:
@@ -330,17 +337,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minillm"
 
 
-def _save_into(tokenizer, folder: Path) -> None:
+def _save_into(tokenizer, folder: Path) -> bool:
     """Save into a fresh folder beside ``folder``, then rename it into place, so that no reader
-    ever sees half the files; a cache that cannot be written (or another process that got there
-    first) is left as it is."""
+    ever sees half the files; whether ``folder`` now holds them (False: a cache that cannot be
+    written; another process that got there first has written them too)."""
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         fresh = tempfile.mkdtemp(dir=folder.parent, prefix=".partial-")
     except OSError:
-        return
+        return False
     try:
         tokenizer.save_pretrained(fresh)
         os.rename(fresh, folder)
     except OSError:
         shutil.rmtree(fresh, ignore_errors=True)
+    return (folder / "tokenizer.json").is_file()

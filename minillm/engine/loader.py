@@ -319,8 +319,9 @@ def _init_random(net: Transformer, full: Transformer, device: torch.device) -> N
 
 
 def _load_tokenizer(source: Path | None, checkpoint=None):
-    """The checkpoint's transformers tokenizer (a folder's files, or a GGUF's metadata, read once
-    with the weights when they were loaded), or None when it ships none (presets, bare configs)."""
+    """The checkpoint's tokenizer: a folder's files through transformers, a GGUF's metadata as
+    minillm's ``Tokenizer`` (the file read once with the weights when they were loaded); None when
+    it ships none (presets, bare configs)."""
     if source is not None and source.suffix == ".gguf":
         return gguf_tokenizer(checkpoint.file if isinstance(checkpoint, GGUFCheckpoint) else GGUFFile(source))
     if source is None or not any((source / name).is_file() for name in TOKENIZER_FILES):

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minillm.engine.tokenizer import Tokenizer
+
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what json_object means (vLLM compiles the same schema)
 COMPILER_CACHE_BYTES = 512 * 2**20  # compiled grammars kept, by schema (vLLM's VLLM_XGRAMMAR_CACHE_MB)
 
@@ -52,7 +54,8 @@ class StructuredOutputsParams:
 class StructuredOutputs:
     """The grammar compiler for one model's tokenizer and the matcher of each structured request.
 
-    ``tokenizer``: the Hugging Face tokenizer the engine has (None: structured requests refused);
+    ``tokenizer``: the tokenizer the engine has, transformers' or minillm's (None: structured
+    requests refused; xgrammar reads the vocabulary through a transformers one);
     ``vocab_size``: the logits' width (the grammar masks ids past the tokenizer's too);
     ``eos_token_ids``: the tokens that end a request, the only ones allowed once the JSON is complete.
     """
@@ -80,8 +83,9 @@ class StructuredOutputs:
             if self._compiler is None:
                 import xgrammar
 
+                tokenizer = self.tokenizer.huggingface() if isinstance(self.tokenizer, Tokenizer) else self.tokenizer
                 info = xgrammar.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids))
+                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids))
                 self._compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=COMPILER_CACHE_BYTES)
             return self._compiler
 

@@ -9,8 +9,9 @@ sampled) and decode tokens per second (one step per token after it), and their r
 also times minillm's linear layers alone on one row (every matmul of the layers and the output
 layer, ``bench.time_linear_layers``): beside llama.cpp's whole decode step, it says how much of
 the gap is the matmul kernels and how much everything else minillm's step issues. End to end,
-each round also starts one fresh process per side that answers the same chat prompt, greedy, up to
-``e2e_tokens`` tokens, as a user's command would: ``python -m minillm generate`` against
+each round also starts one fresh process per side that answers the same chat prompt, greedy, with
+exactly ``e2e_tokens`` tokens (both go on past the end-of-sequence token, so both do the same
+work), as a user's command would: ``python -m minillm generate --ignore-eos`` against
 llama-cpp-python's ``create_chat_completion``; their wall times (imports, loading, tokenizer,
 prefill, decode, exit) and their ratio. The greedy tokens of the two sides are compared up to
 their first difference: both round differently (llama.cpp quantizes the activations to 8 bits;
@@ -82,8 +83,10 @@ E2E_PROMPT = "Explain the KV cache in three sentences."
 LLAMA_CHAT = """import sys
 from llama_cpp import Llama
 path, tokens, threads, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+eos = [int(t) for t in sys.argv[5].split(",")]
 llama = Llama(path, n_ctx=tokens + 512, n_threads=threads, n_threads_batch=threads, verbose=False)
-reply = llama.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=tokens, temperature=0.0)
+reply = llama.create_chat_completion([{"role": "user", "content": prompt}], max_tokens=tokens, temperature=0.0,
+                                     logit_bias={t: float("-inf") for t in eos})
 print(reply["choices"][0]["message"]["content"])
 print(reply["usage"]["completion_tokens"])
 """
@@ -100,18 +103,20 @@ def _timed_process(command: list[str]) -> tuple[float, subprocess.CompletedProce
 
 def minillm_process(model_name: str, tokens: int, threads: int, options: list[str] = ()) -> tuple[float, int]:
     """(wall seconds, tokens answered) of ``python -m minillm generate`` answering
-    :data:`E2E_PROMPT` greedily, up to ``tokens`` tokens, in a fresh process; ``options``: more of
-    its command-line options (device, dtype, quantization)."""
+    :data:`E2E_PROMPT` greedily with exactly ``tokens`` tokens (past the end-of-sequence token), in
+    a fresh process; ``options``: more of its command-line options (device, dtype, quantization)."""
     seconds, done = _timed_process([sys.executable, "-m", "minillm", "generate", model_name, "--prompt", E2E_PROMPT,
-                                    "--max-tokens", str(tokens), "--temperature", "0", "--threads", str(threads),
-                                    *options])
+                                    "--max-tokens", str(tokens), "--ignore-eos", "--temperature", "0",
+                                    "--threads", str(threads), *options])
     return seconds, int(re.search(r"\[(\d+) tokens", done.stderr)[1])
 
 
-def llama_process(path, tokens: int, threads: int) -> tuple[float, int]:
+def llama_process(path, tokens: int, threads: int, eos_token_ids: tuple[int, ...]) -> tuple[float, int]:
     """The same through llama-cpp-python's chat completion, in a fresh process (its context room
-    for the short prompt and ``tokens`` more)."""
-    seconds, done = _timed_process([sys.executable, "-c", LLAMA_CHAT, str(path), str(tokens), str(threads), E2E_PROMPT])
+    for the short prompt and ``tokens`` more; the end-of-sequence tokens' logits at -inf, the way it
+    goes on past them)."""
+    seconds, done = _timed_process([sys.executable, "-c", LLAMA_CHAT, str(path), str(tokens), str(threads), E2E_PROMPT,
+                                    ",".join(map(str, eos_token_ids))])
     return seconds, int(done.stdout.split()[-1])
 
 
@@ -162,7 +167,7 @@ def bench_llamacpp(model_name: str = "smollm2-135m", device=None, dtype=None, qu
         agree.append(same.index(False) if False in same else len(same))
         if e2e_tokens:
             e2e["minillm"].append(minillm_process(model_name, e2e_tokens, threads, options))
-            e2e["llama.cpp"].append(llama_process(path, e2e_tokens, threads))
+            e2e["llama.cpp"].append(llama_process(path, e2e_tokens, threads, llm.model.config.eos_token_ids))
     result = {side: {"prefill_tokens_per_s": prompt_len / statistics.median(prefill[side]),
                      "decode_tokens_per_s": 1 / statistics.median(decode[side])} for side in sides}
     quant = "none" if quantization is None else (f"int4-g{group_size}" if quantization == "int4" else quantization)
@@ -194,7 +199,7 @@ def format_llamacpp(r: dict) -> str:
                  f"of {r['new_tokens']}")
     if r["end_to_end"]:
         ours, theirs = r["end_to_end"]["minillm"], r["end_to_end"]["llama.cpp"]
-        lines.append(f"end to end, a fresh process answering {E2E_PROMPT!r} (up to {r['e2e_tokens']} tokens): "
+        lines.append(f"end to end, a fresh process answering {E2E_PROMPT!r} ({r['e2e_tokens']} tokens): "
                      f"minillm {ours['wall_s']:.2f} s ({ours['tokens']:g} tokens), llama.cpp "
                      f"{theirs['wall_s']:.2f} s ({theirs['tokens']:g} tokens): "
                      f"{ours['wall_s'] / theirs['wall_s']:.2f}x its wall time")
@@ -211,7 +216,7 @@ def add_cli(bench_commands) -> None:
     cmd.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
     cmd.add_argument("--rounds", type=int, default=3, help="rounds, each side once per round (default 3)")
     cmd.add_argument("--e2e-tokens", type=int, default=128,
-                     help="end to end: a fresh process per side answers a chat prompt with up to this "
+                     help="end to end: a fresh process per side answers a chat prompt with exactly this "
                           "many tokens, each round (default 128; 0: skip)")
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
     cmd.set_defaults(func=run_cli)
