@@ -304,8 +304,8 @@ def gguf_tokenizer(gguf: GGUFFile):
     """The tokenizer (vocabulary, merges, special tokens, chat template) a GGUF's metadata
     describes, as a :class:`~minillm.engine.tokenizer.Tokenizer`; None when it has none.
 
-    transformers builds it the first time, as its own GGUF loading does (in a second or more: it
-    reads the metadata again and converts the vocabulary), and the result is saved under
+    transformers builds it the first time, as its own GGUF loading does (slowly: it reads the
+    metadata again and converts the vocabulary), and the result is saved under
     :func:`cache_dir`, keyed by the file's metadata and transformers' version. Every later load
     reads those files without importing transformers. (``PreTrainedTokenizerFast`` directly:
     ``AutoTokenizer`` would first read the whole file again with the ``gguf`` package to choose

@@ -4,9 +4,9 @@ transformers builds a GGUF's tokenizer from the file's metadata (its vocabulary,
 tokens and chat template) once, and minillm saves the result as Hugging Face's files in its cache
 (``minillm.engine.gguf_file.gguf_tokenizer``). :class:`Tokenizer` reads those files back with the
 ``tokenizers`` library, the Rust tokenizer that transformers' fast tokenizers wrap, and renders
-the chat template with jinja2 in a sandbox, as transformers does. Importing transformers takes most
-of a second, as long as loading a small model's weights, so a command that starts afresh pays for
-it only the first time.
+the chat template with jinja2 in a sandbox, as transformers does. Importing transformers is a
+large part of a fresh process's start (it indexes hundreds of model modules), so a command that
+starts afresh pays for it only the first time.
 """
 from __future__ import annotations
 
