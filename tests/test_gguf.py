@@ -274,7 +274,7 @@ def test_smollm2_config_and_tokenizer_from_its_metadata(tmp_path, monkeypatch):
 
 def test_a_cached_gguf_tokenizer_loads_without_transformers(tmp_path):
     """The second process that loads the GGUF's tokenizer reads minillm's cache and never imports
-    transformers (most of a second of a fresh command's start)."""
+    transformers (a large part of a fresh command's start)."""
     load = ("import sys; from minillm.engine.config import resolve_checkpoint; "
             "from minillm.engine.gguf_file import GGUFFile, gguf_tokenizer; "
             "t = gguf_tokenizer(GGUFFile(resolve_checkpoint('smollm2-135m'))); "

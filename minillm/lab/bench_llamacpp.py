@@ -92,7 +92,9 @@ print(reply["usage"]["completion_tokens"])
 """
 
 
-def _timed_process(command: list[str]) -> tuple[float, subprocess.CompletedProcess]:
+def timed_process(command: list[str]) -> tuple[float, subprocess.CompletedProcess]:
+    """(wall seconds, what it printed) of ``command`` in a new process; ``ValueError`` with the
+    end of its stderr if it fails."""
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -105,7 +107,7 @@ def minillm_process(model_name: str, tokens: int, threads: int, options: list[st
     """(wall seconds, tokens answered) of ``python -m minillm generate`` answering
     :data:`E2E_PROMPT` greedily with exactly ``tokens`` tokens (past the end-of-sequence token), in
     a fresh process; ``options``: more of its command-line options (device, dtype, quantization)."""
-    seconds, done = _timed_process([sys.executable, "-m", "minillm", "generate", model_name, "--prompt", E2E_PROMPT,
+    seconds, done = timed_process([sys.executable, "-m", "minillm", "generate", model_name, "--prompt", E2E_PROMPT,
                                     "--max-tokens", str(tokens), "--ignore-eos", "--temperature", "0",
                                     "--threads", str(threads), *options])
     return seconds, int(re.search(r"\[(\d+) tokens", done.stderr)[1])
@@ -115,7 +117,7 @@ def llama_process(path, tokens: int, threads: int, eos_token_ids: tuple[int, ...
     """The same through llama-cpp-python's chat completion, in a fresh process (its context room
     for the short prompt and ``tokens`` more; the end-of-sequence tokens' logits at -inf, the way it
     goes on past them)."""
-    seconds, done = _timed_process([sys.executable, "-c", LLAMA_CHAT, str(path), str(tokens), str(threads), E2E_PROMPT,
+    seconds, done = timed_process([sys.executable, "-c", LLAMA_CHAT, str(path), str(tokens), str(threads), E2E_PROMPT,
                                     ",".join(map(str, eos_token_ids))])
     return seconds, int(done.stdout.split()[-1])
 
